@@ -1,0 +1,36 @@
+# Set-up and the two main commands. Needs only Python 3.11 on a fresh machine.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.llmkit-installed
+PLUGINS := $(wildcard plugins/*/pyproject.toml)
+
+.PHONY: demo test bench lint setup clean
+
+setup: $(STAMP)
+
+# Installs torch==2.13.0 first where the venv has no torch (a bare `torch` requirement
+# would pull a multi-GB CUDA build), then llmkit and every plugins/* package, editable.
+$(STAMP): pyproject.toml $(PLUGINS)
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e ".[dev]" $(foreach p,$(PLUGINS),-e $(dir $(p)))
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/llmkit info specs/tiny.toml
+
+test: $(STAMP)
+	$(BIN)/ruff check llmkit tests benchmarks plugins
+	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q benchmarks --benchmark-disable
+
+bench: $(STAMP)
+	$(BIN)/python -m pytest benchmarks
+
+lint: $(STAMP)
+	$(BIN)/ruff check llmkit tests benchmarks plugins
+	$(BIN)/ruff format --check llmkit tests benchmarks plugins
+
+clean:
+	rm -rf $(VENV) build *.egg-info

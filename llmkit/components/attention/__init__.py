@@ -1,0 +1,1 @@
+"""Attention kernels: the inner ``softmax(q kᵀ / √d + bias) v`` over (B, H, T, D) tensors."""

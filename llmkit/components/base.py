@@ -1,0 +1,155 @@
+"""Contracts between the model and its components.
+
+Every model component (attention kernel, ffn, norm, position) is an ``nn.Module`` built as
+``Component(options, ctx)`` where ``options`` is an instance of the component's own pydantic
+``Options`` model and ``ctx`` a :class:`BuildContext` with the model's dimensions.
+Optimizers are built as ``build(model, options)`` and schedules as
+``build(options, base_lr=..., total_steps=...)`` returning ``lr(step)``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+from pydantic import BaseModel, ConfigDict
+from torch import Tensor, nn
+
+POSITION_SITES = ("embedding", "qk", "score_bias")
+
+
+class ComponentOptions(BaseModel):
+    """Base of every component's options: unknown keys are rejected."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class NoOptions(ComponentOptions):
+    """For components without options."""
+
+
+@dataclass(frozen=True)
+class BuildContext:
+    """The model's dimensions, handed to every model component at construction."""
+
+    d_model: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    max_seq_len: int
+    n_layers: int
+    layer: int = -1  # index of the block being built; -1 for model-level parts
+    dropout: float = 0.0
+    bias: bool = True
+    dim: int = 0  # the feature size this component acts on (0 = d_model)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def features(self) -> int:
+        return self.dim or self.d_model
+
+
+class SideOutputs:
+    """Mixin for modules that report auxiliary losses and metrics to the model output.
+
+    Call ``self.report_loss(name, tensor)`` / ``self.report_metric(name, value)`` inside
+    ``forward``; the model collects them after each forward pass under the module's path
+    (e.g. ``layers.2.ffn.load_balance``). The trainer adds every loss and logs every metric.
+    """
+
+    def report_loss(self, name: str, value: Tensor) -> None:
+        self.__dict__.setdefault("_side_losses", {})[name] = value
+
+    def report_metric(self, name: str, value: float | Tensor) -> None:
+        self.__dict__.setdefault("_side_metrics", {})[name] = value
+
+    def pop_side_outputs(self) -> tuple[dict[str, Tensor], dict[str, float | Tensor]]:
+        return self.__dict__.pop("_side_losses", {}), self.__dict__.pop("_side_metrics", {})
+
+
+class DistanceBias:
+    """A score bias linear in query-key distance with one slope per head (ALiBi form).
+
+    ``dense`` materializes it for plain kernels; a fused kernel reads ``slopes`` directly.
+    """
+
+    def __init__(self, slopes: Tensor) -> None:
+        self.slopes = slopes  # (H,)
+
+    def dense(self, tq: int, tk: int, *, causal: bool = True) -> Tensor:
+        """(H, Tq, Tk) bias for queries aligned to the last Tq of Tk keys."""
+        device = self.slopes.device
+        qpos = torch.arange(tk - tq, tk, device=device)[:, None]
+        kpos = torch.arange(tk, device=device)[None, :]
+        dist = (qpos - kpos).float()
+        if not causal:
+            dist = dist.abs()
+        return -self.slopes.float()[:, None, None] * dist.clamp(min=0)[None]
+
+
+class AttentionKernel(nn.Module):
+    """The inner attention: ``softmax(q kᵀ / √d + bias) v``.
+
+    Shapes: ``q`` (B, Hq, Tq, D); ``k``, ``v`` (B, Hkv, Tk, D) with Tk ≥ Tq and Hq a multiple
+    of Hkv (GQA/MQA: kernels group heads themselves). Query i sits at key position
+    ``Tk - Tq + i`` (bottom-right alignment), which is how a KV cache presents keys.
+    ``key_padding_mask`` (B, Tk) is True where a key may be attended (left padding).
+    Returns (B, Hq, Tq, D).
+    """
+
+    #: Keys a KV cache must keep; ``None`` keeps everything (sliding windows set W).
+    cache_window: int | None = None
+
+    def __init__(self, options: ComponentOptions, ctx: BuildContext) -> None:
+        super().__init__()
+        self.options = options
+        self.ctx = ctx
+
+    def forward(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        causal: bool = True,
+        bias: DistanceBias | None = None,
+        key_padding_mask: Tensor | None = None,
+    ) -> Tensor:  # pragma: no cover - interface
+        raise NotImplementedError
+
+
+class PositionalScheme(nn.Module):
+    """A positional scheme acting in one or more of ``POSITION_SITES``.
+
+    ``positions`` are absolute token positions, shape (T,) or (B, T).
+    """
+
+    acts_on: ClassVar[frozenset[str]] = frozenset()
+
+    def __init__(self, options: ComponentOptions, ctx: BuildContext) -> None:
+        super().__init__()
+        self.options = options
+        self.ctx = ctx
+
+    def embed(self, x: Tensor, positions: Tensor) -> Tensor:
+        """Add position information to token embeddings x (B, T, C)."""
+        return x
+
+    def rotate(self, q: Tensor, k: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """Apply position to q (B, Hq, T, D) and k (B, Hkv, T, D)."""
+        return q, k
+
+    def score_bias(self) -> DistanceBias | None:
+        """A bias added to attention scores, or None."""
+        return None
+
+
+def ffn_hidden(d_model: int, hidden: int | None, multiplier: float, multiple_of: int) -> int:
+    """Hidden size: ``hidden`` if given, else ``multiplier·d_model`` rounded up to
+    ``multiple_of``."""
+    if hidden:
+        return hidden
+    raw = int(multiplier * d_model)
+    return multiple_of * math.ceil(raw / multiple_of)

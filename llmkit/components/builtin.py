@@ -1,0 +1,39 @@
+"""llmkit's built-in plugin: registers every entry of the ``registry.toml`` catalogue.
+
+It is loaded through the ``llmkit`` entry-point group like any third-party plugin and
+imports no component module until a component is used.
+"""
+
+from __future__ import annotations
+
+import functools
+import tomllib
+from collections.abc import Callable
+from typing import Any
+
+from llmkit.hookspecs import hookimpl
+from llmkit.registry import CATALOGUE
+
+
+@functools.cache
+def catalogue() -> dict[str, Any]:
+    """The parsed catalogue (read once per process)."""
+    return tomllib.loads(CATALOGUE.read_text(encoding="utf-8"))
+
+
+@hookimpl
+def register_kinds(register: Callable[..., None]) -> None:
+    for name, summary in catalogue()["kinds"].items():
+        register(name, summary)
+
+
+@hookimpl
+def register_components(register: Callable[..., Any]) -> None:
+    for entry in catalogue()["component"]:
+        register(
+            entry["kind"],
+            entry["name"],
+            entry["target"],
+            summary=entry["summary"],
+            capabilities=entry.get("capabilities", {}),
+        )

@@ -1,0 +1,80 @@
+"""Two-layer position-wise MLP with a selectable activation.
+
+The Transformer feed-forward block (Vaswani et al. 2017), GELU as in GPT-2 (Hendrycks &
+Gimpel 2016; ``gelu_tanh`` is GPT-2's tanh approximation), squared ReLU from Primer
+(So et al. 2021), SiLU (Elfwing et al. 2018).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Literal
+
+import torch.nn.functional as F
+from pydantic import Field
+from torch import Tensor, nn
+
+from llmkit.components.base import BuildContext, ComponentOptions, ffn_hidden
+
+Activation = Literal["gelu", "gelu_tanh", "relu", "relu2", "silu"]
+
+
+def _relu2(x: Tensor) -> Tensor:
+    return F.relu(x).square()
+
+
+def _gelu_tanh(x: Tensor) -> Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
+    "gelu": F.gelu,
+    "gelu_tanh": _gelu_tanh,
+    "relu": F.relu,
+    "relu2": _relu2,
+    "silu": F.silu,
+}
+
+
+class MLPOptions(ComponentOptions):
+    """Options of the two-layer MLP."""
+
+    activation: Activation = Field(
+        "gelu",
+        description="Activation: gelu, gelu_tanh (GPT-2's approximation), relu, "
+        "relu2 (squared ReLU, Primer) or silu.",
+    )
+    hidden: int | None = Field(
+        None, ge=1, description="Hidden size; when unset, multiplier·d_model rounded up."
+    )
+    multiplier: float = Field(
+        4.0, gt=0.0, description="Hidden size as a multiple of d_model (when hidden is unset)."
+    )
+    multiple_of: int = Field(
+        1, ge=1, description="Round the derived hidden size up to a multiple of this."
+    )
+    bias: bool | None = Field(
+        None, description="Biases on both projections; unset follows the model's bias setting."
+    )
+
+
+class MLP(nn.Module):
+    """``out_proj(act(in_proj(x)))`` (Vaswani et al. 2017; GPT-2 uses GELU and 4·d_model)."""
+
+    Options = MLPOptions
+
+    def __init__(self, options: MLPOptions, ctx: BuildContext) -> None:
+        super().__init__()
+        self.options = options
+        d = ctx.features
+        hidden = ffn_hidden(d, options.hidden, options.multiplier, options.multiple_of)
+        bias = ctx.bias if options.bias is None else options.bias
+        self.in_proj = nn.Linear(d, hidden, bias=bias)
+        self.out_proj = nn.Linear(hidden, d, bias=bias)
+        self.act = ACTIVATIONS[options.activation]
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.out_proj(self.act(self.in_proj(x)))
+
+    def extra_repr(self) -> str:
+        return f"activation={self.options.activation}"

@@ -1,0 +1,1 @@
+"""Normalization layers over the last dimension."""

@@ -1,0 +1,6 @@
+"""Built-in optimizers.
+
+Each module has an ``Options`` model (a :class:`llmkit.optim.OptimizerOptions`) and
+``build(model, options)`` returning a ``torch.optim.Optimizer`` over
+:func:`llmkit.optim.param_groups`, with ``initial_lr`` set on every group.
+"""

@@ -1,0 +1,1 @@
+"""Positional schemes acting on embeddings, on q/k (rotary), or as attention score biases."""

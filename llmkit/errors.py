@@ -1,0 +1,28 @@
+"""User-facing errors: the CLI prints them as one line and exits 2."""
+
+
+class LlmkitError(Exception):
+    """An error a user can cause and fix (bad spec, unknown component, missing file)."""
+
+
+class SpecError(LlmkitError):
+    """A spec that failed validation; carries every problem found, each with its path."""
+
+    def __init__(self, problems: list[str], source: str | None = None) -> None:
+        self.problems = list(problems)
+        self.source = source
+        where = f"{source}: " if source else ""
+        if len(self.problems) == 1:
+            msg = f"{where}{self.problems[0]}"
+        else:
+            lines = "\n".join(f"  - {p}" for p in self.problems)
+            msg = f"{where}{len(self.problems)} problems\n{lines}"
+        super().__init__(msg)
+
+
+class RegistryError(LlmkitError):
+    """An unknown or conflicting component."""
+
+
+class PluginError(LlmkitError):
+    """A plugin that failed to import or to register."""

@@ -1,0 +1,157 @@
+"""Shared pieces of the built-in optimizers and learning-rate schedules.
+
+Optimizers are built as ``build(model, options)`` from :func:`param_groups`; every group of
+every built-in optimizer carries ``initial_lr``. Schedules are built as
+``build(options, total_steps=...)`` and return the lr *factor* for a 0-based step, so the
+trainer applies them to every group with :func:`set_lr_factor`
+(``group["lr"] = group["initial_lr"] * factor``); this keeps groups with different base
+learning rates (Muon's AdamW part) in proportion.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Annotated, Any
+
+import torch
+from pydantic import Field
+from torch import nn
+
+from llmkit.components.base import ComponentOptions
+
+#: A momentum/averaging coefficient in [0, 1).
+Beta = Annotated[float, Field(ge=0.0, lt=1.0)]
+
+
+class OptimizerOptions(ComponentOptions):
+    """Options every built-in optimizer shares."""
+
+    lr: float = Field(3e-4, gt=0, description="Peak learning rate (schedules scale it)")
+    weight_decay: float = Field(0.0, ge=0, description="Decoupled weight decay coefficient")
+    decay_norms_and_biases: bool = Field(
+        False, description="Also decay 1-D parameters (norm weights, biases)"
+    )
+    decay_embeddings: bool = Field(
+        False, description="Also decay embedding tables (and an output head tied to them)"
+    )
+
+
+def _head_module(name: str) -> bool:
+    return any(part.startswith("lm_head") for part in name.split("."))
+
+
+def embedding_like(model: nn.Module, *, include_head: bool = True) -> set[int]:
+    """Ids of the parameters of ``nn.Embedding`` modules and, if ``include_head``, of
+    modules whose name (or a dotted part of it) starts with ``lm_head``.
+
+    A head tied to an embedding shares its parameter, so it is covered either way.
+    """
+    ids: set[int] = set()
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Embedding) or (include_head and _head_module(name)):
+            ids.update(id(p) for p in module.parameters(recurse=False))
+    return ids
+
+
+def param_groups(
+    model: nn.Module,
+    weight_decay: float,
+    *,
+    decay_norms_and_biases: bool = False,
+    decay_embeddings: bool = False,
+) -> list[dict[str, Any]]:
+    """Split the trainable parameters into a ``decay`` and a ``no_decay`` group.
+
+    Parameters with fewer than 2 dimensions (norm weights, biases) and embedding tables
+    (with a head tied to them) are not decayed unless the matching flag is set. Shared
+    parameters appear once; parameters without ``requires_grad`` are left out; empty groups
+    are dropped. Each group has ``params``, ``weight_decay`` and ``group_name``.
+    """
+    embeddings = embedding_like(model, include_head=False)
+    decay: list[nn.Parameter] = []
+    no_decay: list[nn.Parameter] = []
+    for _, p in model.named_parameters():  # named_parameters skips duplicates (tied weights)
+        if not p.requires_grad:
+            continue
+        is_norm_or_bias = p.ndim < 2 and not decay_norms_and_biases
+        is_embedding = id(p) in embeddings and not decay_embeddings
+        (no_decay if is_norm_or_bias or is_embedding else decay).append(p)
+    groups = [
+        {"params": decay, "weight_decay": weight_decay, "group_name": "decay"},
+        {"params": no_decay, "weight_decay": 0.0, "group_name": "no_decay"},
+    ]
+    return [g for g in groups if g["params"]]
+
+
+def param_groups_for(model: nn.Module, options: OptimizerOptions) -> list[dict[str, Any]]:
+    """:func:`param_groups` with the settings of an optimizer's options."""
+    return param_groups(
+        model,
+        options.weight_decay,
+        decay_norms_and_biases=options.decay_norms_and_biases,
+        decay_embeddings=options.decay_embeddings,
+    )
+
+
+def set_initial_lr(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """Record each group's base learning rate as ``group["initial_lr"]`` (if unset)."""
+    for group in optimizer.param_groups:
+        group.setdefault("initial_lr", float(group["lr"]))
+    return optimizer
+
+
+def set_lr_factor(optimizer: torch.optim.Optimizer, factor: float) -> None:
+    """Set every group's lr to ``initial_lr · factor`` (the factor a schedule returns)."""
+    for group in optimizer.param_groups:
+        group["lr"] = group["initial_lr"] * factor
+
+
+class WarmupOptions(ComponentOptions):
+    """Options of a schedule with a linear warmup only."""
+
+    warmup_steps: int = Field(0, ge=0, description="Steps of linear warmup from lr/warmup_steps")
+
+
+class ScheduleOptions(WarmupOptions):
+    """Options of a schedule that decays towards a floor."""
+
+    min_lr_ratio: float = Field(
+        0.1, ge=0.0, le=1.0, description="Final lr as a fraction of the base lr"
+    )
+
+
+def check_steps(warmup_steps: int, total_steps: int, schedule: str) -> None:
+    """Raise ``ValueError`` unless ``0 ≤ warmup_steps ≤ total_steps`` and ``total_steps ≥ 1``."""
+    if total_steps < 1:
+        raise ValueError(f"schedule {schedule!r}: total_steps must be ≥ 1, got {total_steps}")
+    if warmup_steps > total_steps:
+        raise ValueError(
+            f"schedule {schedule!r}: warmup_steps ({warmup_steps}) exceeds "
+            f"total_steps ({total_steps})"
+        )
+
+
+def linear_warmup(step: int, warmup_steps: int) -> float:
+    """Warmup factor: ``(step + 1) / warmup_steps`` while ``step < warmup_steps``, else 1.
+
+    As in nanoGPT, step 0 already trains at ``lr / warmup_steps`` and the last warmup step
+    reaches the full lr.
+    """
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    return 1.0
+
+
+def decay_curve(progress: float, shape: str) -> float:
+    """A decay from 1 at ``progress = 0`` to 0 at ``progress = 1`` (clamped outside).
+
+    ``linear``: 1 − p; ``cosine``: (1 + cos πp)/2; ``sqrt``: 1 − √p (Hägele et al. 2024).
+    """
+    p = min(max(progress, 0.0), 1.0)
+    if shape == "linear":
+        return 1.0 - p
+    if shape == "cosine":
+        return 0.5 * (1.0 + math.cos(math.pi * p))
+    if shape == "sqrt":
+        return 1.0 - math.sqrt(p)
+    raise ValueError(f"unknown decay shape {shape!r}; expected linear, cosine or sqrt")

@@ -1,0 +1,380 @@
+"""The component registry: records, plugin loading, lookup with did-you-mean.
+
+Plugins are loaded one at a time from the ``llmkit`` entry-point group; each hook
+implementation is called with a ``register`` callback bound to its provider, so a plugin
+that fails to import or to register is recorded by name and the rest still load.
+
+Environment:
+- ``LLMKIT_PLUGINS``: comma-separated entry-point names to load besides the built-in one
+  (unset = all installed plugins, ``""`` = none).
+- ``LLMKIT_STRICT_PLUGINS=1``: re-raise a plugin's import/registration error.
+- ``LLMKIT_REGISTRY``: a TOML file whose ``[winners]`` table settles name clashes.
+"""
+
+from __future__ import annotations
+
+import difflib
+import fnmatch
+import importlib
+import importlib.metadata as md
+import os
+import tomllib
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pluggy
+
+from llmkit import hookspecs
+from llmkit.errors import PluginError, RegistryError
+
+BUILTIN_PLUGIN = "builtin"
+CATALOGUE = Path(__file__).with_name("registry.toml")
+
+
+def import_target(target: str) -> Any:
+    """Import ``"package.module:attr"`` (attr may be dotted)."""
+    module_name, _, attr = target.partition(":")
+    if not module_name or not attr:
+        raise RegistryError(f"bad target {target!r}: expected 'module:attr'")
+    obj: Any = importlib.import_module(module_name)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+@dataclass
+class Component:
+    """One registered component."""
+
+    kind: str
+    name: str
+    target: Any  # a factory, or a lazy "module:attr" string
+    summary: str = ""
+    options: Any = None  # pydantic model class, "module:attr", or None (= target's Options)
+    capabilities: dict[str, Any] = field(default_factory=dict)
+    provider: str = "?"
+    version: str = "?"
+
+    @property
+    def key(self) -> str:
+        return f"{self.kind}.{self.name}"
+
+    @property
+    def target_path(self) -> str:
+        if isinstance(self.target, str):
+            return self.target
+        return f"{self.target.__module__}:{self.target.__qualname__}"
+
+    def load(self) -> Any:
+        """The factory, importing it on first use."""
+        if isinstance(self.target, str):
+            self.target = import_target(self.target)
+        return self.target
+
+    def options_model(self) -> type:
+        """The pydantic model of this component's options."""
+        if isinstance(self.options, str):
+            self.options = import_target(self.options)
+        if self.options is None:
+            factory = self.load()
+            opts = getattr(factory, "Options", None)
+            if opts is None:
+                module = importlib.import_module(factory.__module__)
+                opts = getattr(module, "Options", None)
+            if opts is None:
+                from llmkit.components.base import NoOptions
+
+                opts = NoOptions
+            self.options = opts
+        return self.options
+
+    def parse_options(self, values: dict[str, Any]) -> Any:
+        """Validate ``values`` (without ``name``) against the options model."""
+        return self.options_model().model_validate(values)
+
+
+@dataclass
+class Kind:
+    name: str
+    summary: str
+    contract: str | None = None
+    provider: str = "?"
+
+
+@dataclass
+class PluginInfo:
+    """What one plugin is and what it did."""
+
+    name: str
+    distribution: str
+    version: str
+    registered: list[str] = field(default_factory=list)
+    error: str | None = None
+
+
+@dataclass
+class Conflict:
+    key: str
+    providers: list[str]
+    winner: str | None = None
+
+
+def _dist_of(ep: md.EntryPoint) -> tuple[str, str]:
+    dist = getattr(ep, "dist", None)
+    if dist is None:
+        return ep.value.split(":")[0].split(".")[0], "?"
+    return dist.metadata["Name"], dist.version
+
+
+def _load_winners() -> dict[str, str]:
+    winners: dict[str, str] = {}
+    files = [CATALOGUE]
+    if os.environ.get("LLMKIT_REGISTRY"):
+        files.append(Path(os.environ["LLMKIT_REGISTRY"]))
+    for path in files:
+        try:
+            data = tomllib.loads(path.read_text(encoding="utf-8"))
+        except FileNotFoundError as exc:
+            raise RegistryError(f"registry file not found: {path}") from exc
+        except tomllib.TOMLDecodeError as exc:
+            raise RegistryError(f"{path}: invalid TOML: {exc}") from exc
+        winners.update({str(k): str(v) for k, v in data.get("winners", {}).items()})
+    return winners
+
+
+class Registry:
+    """Kinds and components registered by plugins."""
+
+    def __init__(self) -> None:
+        self.pm = pluggy.PluginManager(hookspecs.PROJECT)
+        self.pm.add_hookspecs(hookspecs)
+        self.kinds: dict[str, Kind] = {}
+        self.components: dict[str, Component] = {}
+        self.plugins: dict[str, PluginInfo] = {}
+        self.conflicts: dict[str, Conflict] = {}
+        self.overridden: list[Component] = []
+        self.winners: dict[str, str] = {}
+        self.strict = os.environ.get("LLMKIT_STRICT_PLUGINS", "") not in ("", "0")
+
+    # -- loading ---------------------------------------------------------------------------
+    def load_entry_points(self, allow: Iterable[str] | None = None) -> None:
+        """Load the built-in plugin and the entry points named in ``allow`` (None = all)."""
+        self.winners = _load_winners()
+        eps = sorted(md.entry_points(group=hookspecs.PROJECT), key=lambda e: e.name)
+        seen = set()
+        allowed = None if allow is None else set(allow)
+        for ep in eps:
+            if ep.name in seen:
+                continue
+            seen.add(ep.name)
+            if ep.name != BUILTIN_PLUGIN and allowed is not None and ep.name not in allowed:
+                continue
+            dist, version = _dist_of(ep)
+            if ep.name == BUILTIN_PLUGIN and dist != "llmkit":
+                self._fail(PluginInfo(ep.name, dist, version), "reserved plugin name 'builtin'")
+                continue
+            try:
+                plugin = ep.load()
+            except Exception as exc:
+                self._fail(PluginInfo(ep.name, dist, version), f"{type(exc).__name__}: {exc}")
+                continue
+            self.add_plugin(plugin, ep.name, dist, version)
+        if BUILTIN_PLUGIN not in self.plugins:  # e.g. running from a source tree
+            from llmkit.components import builtin
+
+            self.add_plugin(builtin, BUILTIN_PLUGIN, "llmkit", _own_version())
+
+    def add_plugin(self, plugin: Any, name: str, distribution: str, version: str) -> PluginInfo:
+        """Register one plugin object and run its hooks, isolating its failures."""
+        info = PluginInfo(name, distribution, version)
+        try:
+            self.pm.register(plugin, name=name)
+            self.pm.check_pending()
+        except Exception as exc:
+            if self.pm.is_registered(plugin):
+                self.pm.unregister(plugin)
+            self._fail(info, f"{type(exc).__name__}: {exc}")
+            return info
+        self.plugins[name] = info
+        for hook_name, bind in (
+            ("register_kinds", self._kind_registrar),
+            ("register_components", self._component_registrar),
+        ):
+            for impl in getattr(self.pm.hook, hook_name).get_hookimpls():
+                if impl.plugin_name != name:
+                    continue
+                try:
+                    impl.function(register=bind(info))
+                except Exception as exc:
+                    self._fail(info, f"{hook_name}: {type(exc).__name__}: {exc}")
+        return info
+
+    def _fail(self, info: PluginInfo, error: str) -> None:
+        info.error = error
+        self.plugins[info.name] = info
+        if self.strict:
+            raise PluginError(f"plugin {info.name!r} ({info.distribution}) failed: {error}")
+
+    def _kind_registrar(self, info: PluginInfo) -> Callable[..., None]:
+        def register(name: str, summary: str, *, contract: str | None = None) -> None:
+            if name in self.kinds and self.kinds[name].provider != info.distribution:
+                raise RegistryError(
+                    f"kind {name!r} is declared by both {self.kinds[name].provider} "
+                    f"and {info.distribution}"
+                )
+            self.kinds[name] = Kind(name, summary, contract, info.distribution)
+
+        return register
+
+    def _component_registrar(self, info: PluginInfo) -> Callable[..., Component]:
+        def register(
+            kind: str,
+            name: str,
+            target: Any,
+            *,
+            summary: str = "",
+            options: Any = None,
+            capabilities: dict[str, Any] | None = None,
+        ) -> Component:
+            if not isinstance(name, str) or not name:
+                raise RegistryError(f"component names must be non-empty strings, got {name!r}")
+            rec = Component(
+                kind,
+                name,
+                target,
+                summary or _doc_line(target),
+                options,
+                dict(capabilities or {}),
+                info.distribution,
+                info.version,
+            )
+            self._add(rec)
+            info.registered.append(rec.key)
+            return rec
+
+        return register
+
+    def _add(self, rec: Component) -> None:
+        if rec.kind not in self.kinds:
+            raise RegistryError(
+                f"unknown kind {rec.kind!r} for component {rec.name!r}"
+                f"{_suggest(rec.kind, self.kinds)}; known kinds: {', '.join(sorted(self.kinds))}"
+            )
+        old = self.components.get(rec.key)
+        conflict = self.conflicts.get(rec.key)
+        if old is None and conflict is None:
+            self.components[rec.key] = rec
+            return
+        if conflict is None:
+            conflict = self.conflicts[rec.key] = Conflict(rec.key, [old.provider])
+        conflict.providers.append(rec.provider)
+        pool = [c for c in (old, rec) if c is not None]
+        winner = self.winners.get(rec.key)
+        chosen = next((c for c in pool if c.provider == winner), None)
+        if chosen is None and old is not None and conflict.winner is not None:
+            chosen = old
+        if chosen is not None:
+            conflict.winner = chosen.provider
+            self.components[rec.key] = chosen
+            self.overridden.extend(c for c in pool if c is not chosen)
+        else:
+            self.components.pop(rec.key, None)
+            if old is not None:
+                self.overridden.append(old)
+            self.overridden.append(rec)
+            conflict.winner = None
+            if self.strict:
+                raise RegistryError(self._conflict_message(conflict))
+
+    @staticmethod
+    def _conflict_message(conflict: Conflict) -> str:
+        return (
+            f"{conflict.key} is registered by more than one plugin: "
+            f"{' and '.join(conflict.providers)}; choose one in registry.toml "
+            f'or $LLMKIT_REGISTRY under [winners], e.g. "{conflict.key}" = '
+            f'"{conflict.providers[0]}"'
+        )
+
+    # -- lookup ----------------------------------------------------------------------------
+    def get(self, kind: str, name: str) -> Component:
+        """The component ``kind.name``; a helpful error if it is unknown or contested."""
+        if kind not in self.kinds:
+            raise RegistryError(
+                f"unknown component kind {kind!r}{_suggest(kind, self.kinds)}; "
+                f"known kinds: {', '.join(sorted(self.kinds))}"
+            )
+        key = f"{kind}.{name}"
+        if key in self.components:
+            return self.components[key]
+        if key in self.conflicts:
+            raise RegistryError(self._conflict_message(self.conflicts[key]))
+        names = sorted(self.names(kind))
+        raise RegistryError(
+            f"unknown {kind} {name!r}{_suggest(name, names)}; available: {', '.join(names)}"
+        )
+
+    def names(self, kind: str) -> list[str]:
+        return [c.name for c in self.components.values() if c.kind == kind]
+
+    def list(self, kind: str | None = None, pattern: str | None = None) -> list[Component]:
+        """Components sorted by kind then name, filtered by kind and a wildcard pattern."""
+        out = [
+            c
+            for c in self.components.values()
+            if (kind is None or c.kind == kind)
+            and (pattern is None or fnmatch.fnmatchcase(c.name, pattern))
+        ]
+        return sorted(out, key=lambda c: (c.kind, c.name))
+
+    def failures(self) -> list[PluginInfo]:
+        return [p for p in self.plugins.values() if p.error]
+
+
+def _doc_line(target: Any) -> str:
+    if isinstance(target, str):
+        return ""
+    doc = (getattr(target, "__doc__", None) or "").strip()
+    return doc.splitlines()[0] if doc else ""
+
+
+def _suggest(name: str, candidates: Iterable[str]) -> str:
+    close = difflib.get_close_matches(name, list(candidates), n=1, cutoff=0.5)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _own_version() -> str:
+    try:
+        return md.version("llmkit")
+    except md.PackageNotFoundError:
+        from llmkit import __version__
+
+        return __version__
+
+
+def allowed_plugins() -> list[str] | None:
+    """Plugin names from ``$LLMKIT_PLUGINS`` (None when unset = load all)."""
+    raw = os.environ.get("LLMKIT_PLUGINS")
+    if raw is None:
+        return None
+    return [p.strip() for p in raw.split(",") if p.strip()]
+
+
+_REGISTRY: Registry | None = None
+
+
+def get_registry() -> Registry:
+    """The process-wide registry, loaded on first use."""
+    global _REGISTRY
+    if _REGISTRY is None:
+        reg = Registry()
+        reg.load_entry_points(allowed_plugins())
+        _REGISTRY = reg
+    return _REGISTRY
+
+
+def reset_registry(registry: Registry | None = None) -> None:
+    """Drop (or replace) the process-wide registry; used by tests and tools."""
+    global _REGISTRY
+    _REGISTRY = registry
