@@ -12,16 +12,8 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import Field, create_model
 
+from llmkit.spec import DEFAULT_COMPONENTS as DEFAULTS
 from llmkit.spec import LayerOverride, ModelSpec, Spec
-
-DEFAULTS = {
-    "attention": "sdpa",
-    "ffn": "mlp",
-    "norm": "layernorm",
-    "position": "learned",
-    "optimizer": "adamw",
-    "schedule": "cosine",
-}
 
 
 def _ident(text: str) -> str:

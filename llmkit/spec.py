@@ -478,6 +478,7 @@ def resolve(data: dict[str, Any], source: str | None = None, registry: Any = Non
     data = copy.deepcopy(data)
     data.pop("extends", None)
     _check_requires(data.get("requires", []), source)
+    _default_names(data)
 
     problems: list[str] = []
     spec: Spec | None = None
@@ -488,13 +489,9 @@ def resolve(data: dict[str, Any], source: str | None = None, registry: Any = Non
 
     r = _Resolver(registry)
     raw_model = data.get("model") if isinstance(data.get("model"), dict) else {}
-    defaults = {"attention": "sdpa", "ffn": "mlp", "norm": "layernorm", "position": "learned"}
-    base = {
-        slot: r.ref(slot, raw_model.get(slot, {"name": defaults[slot]}), f"model.{slot}")
-        for slot in MODEL_SLOTS
-    }
-    optimizer = r.ref("optimizer", data.get("optimizer", {"name": "adamw"}), "optimizer")
-    schedule = r.ref("schedule", data.get("schedule", {"name": "cosine"}), "schedule")
+    base = {slot: r.ref(slot, raw_model.get(slot), f"model.{slot}") for slot in MODEL_SLOTS}
+    optimizer = r.ref("optimizer", data.get("optimizer"), "optimizer")
+    schedule = r.ref("schedule", data.get("schedule"), "schedule")
 
     n_layers = raw_model.get("n_layers") if isinstance(raw_model.get("n_layers"), int) else 0
     per_layer: list[dict[str, Resolved | None]] = [dict(base) for _ in range(max(n_layers, 0))]
@@ -538,6 +535,28 @@ def resolve(data: dict[str, Any], source: str | None = None, registry: Any = Non
         source=source,
         raw=data,
     )
+
+
+DEFAULT_COMPONENTS = {
+    "attention": "sdpa",
+    "ffn": "mlp",
+    "norm": "layernorm",
+    "position": "learned",
+    "optimizer": "adamw",
+    "schedule": "cosine",
+}
+
+
+def _default_names(data: dict[str, Any]) -> None:
+    """Give absent component tables, and tables without ``name``, the default component."""
+    model = data.get("model")
+    tables = [(data, k) for k in ("optimizer", "schedule")]
+    if isinstance(model, dict):
+        tables += [(model, k) for k in MODEL_SLOTS]
+    for parent, key in tables:
+        value = parent.setdefault(key, {})
+        if isinstance(value, dict):
+            value.setdefault("name", DEFAULT_COMPONENTS[key])
 
 
 def acts_on(position: Resolved) -> set[str]:

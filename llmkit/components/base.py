@@ -3,8 +3,9 @@
 Every model component (attention kernel, ffn, norm, position) is an ``nn.Module`` built as
 ``Component(options, ctx)`` where ``options`` is an instance of the component's own pydantic
 ``Options`` model and ``ctx`` a :class:`BuildContext` with the model's dimensions.
-Optimizers are built as ``build(model, options)`` and schedules as
-``build(options, base_lr=..., total_steps=...)`` returning ``lr(step)``.
+Optimizers are built as ``build(model, options)`` (every param group carries
+``initial_lr``) and schedules as ``build(options, total_steps=...)`` returning the lr
+factor for a 0-based step (``llmkit.optim.set_lr_factor`` applies it).
 """
 
 from __future__ import annotations

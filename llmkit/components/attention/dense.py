@@ -34,7 +34,9 @@ def check_shapes(q: Tensor, k: Tensor, v: Tensor) -> int:
         )
     b, hq, tq, d = q.shape
     if k.shape != v.shape or k.shape[0] != b or k.shape[3] != d:
-        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} do not match q {tuple(q.shape)}")
+        raise ValueError(
+            f"k {tuple(k.shape)} and v {tuple(v.shape)} do not match q {tuple(q.shape)}"
+        )
     hkv, tk = k.shape[1], k.shape[2]
     if hq % hkv:
         raise ValueError(f"query heads ({hq}) must be a multiple of key/value heads ({hkv})")

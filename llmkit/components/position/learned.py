@@ -1,0 +1,35 @@
+"""Learned absolute position embeddings added to the token embeddings.
+
+As in GPT (Radford et al. 2018) and GPT-2 (Radford et al. 2019); the table is ``wpe``.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from torch import Tensor, nn
+
+from llmkit.components.base import BuildContext, NoOptions, PositionalScheme
+
+
+class LearnedPosition(PositionalScheme):
+    """A trained (max_seq_len, d_model) table ``wpe`` added to the embeddings (GPT-2)."""
+
+    Options = NoOptions
+    acts_on: ClassVar[frozenset[str]] = frozenset({"embedding"})
+
+    def __init__(self, options: NoOptions, ctx: BuildContext) -> None:
+        super().__init__(options, ctx)
+        self.max_seq_len = ctx.max_seq_len
+        self.wpe = nn.Embedding(ctx.max_seq_len, ctx.features)
+        nn.init.normal_(self.wpe.weight, std=0.02)
+
+    def embed(self, x: Tensor, positions: Tensor) -> Tensor:
+        if positions.numel():
+            lo, hi = int(positions.min()), int(positions.max())
+            if lo < 0 or hi >= self.max_seq_len:
+                raise ValueError(
+                    f"learned position embeddings cover positions 0..{self.max_seq_len - 1} "
+                    f"(max_seq_len={self.max_seq_len}); got positions {lo}..{hi}"
+                )
+        return x + self.wpe(positions).to(x.dtype)

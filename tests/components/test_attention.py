@@ -1,0 +1,302 @@
+"""Attention kernels against a float64 naive reference, and sliding-window's O(L·W) claim."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from pydantic import ValidationError
+from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from llmkit.components.attention.dense import DenseAttention, dense_attention
+from llmkit.components.attention.sdpa import SDPAttention, sdpa_attention
+from llmkit.components.attention.sliding_window import (
+    SlidingWindowAttention,
+    default_chunk,
+    sliding_window_attention,
+)
+from llmkit.components.base import AttentionKernel, BuildContext, ComponentOptions, DistanceBias
+from llmkit.components.position.alibi import alibi_slopes
+
+ATOL = 1e-5
+CTX = BuildContext(d_model=32, n_heads=4, n_kv_heads=2, head_dim=8, max_seq_len=64, n_layers=1)
+KERNELS = {
+    "dense": DenseAttention,
+    "sdpa": SDPAttention,
+    "sliding_window": SlidingWindowAttention,
+}
+
+
+def naive(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    causal: bool = True,
+    slopes: Tensor | None = None,
+    pad: Tensor | None = None,
+    window: int | None = None,
+) -> Tensor:
+    """Textbook attention in float64 from explicit absolute positions; empty rows give 0."""
+    q, k, v = q.double(), k.double(), v.double()
+    b, hq, tq, d = q.shape
+    hkv, tk = k.shape[1], k.shape[2]
+    k = k.repeat_interleave(hq // hkv, dim=1)
+    v = v.repeat_interleave(hq // hkv, dim=1)
+    qpos = torch.arange(tk - tq, tk)[:, None]
+    kpos = torch.arange(tk)[None, :]
+    allowed = torch.ones(tq, tk, dtype=torch.bool)
+    if causal:
+        allowed &= kpos <= qpos
+    if window is not None:
+        allowed &= kpos > qpos - window
+    allowed = allowed[None, None].expand(b, hq, tq, tk)
+    if pad is not None:
+        allowed = allowed & pad[:, None, None, :]
+    scores = q @ k.transpose(-1, -2) / math.sqrt(d)
+    if slopes is not None:
+        dist = (qpos - kpos).double()
+        dist = dist.clamp(min=0) if causal else dist.abs()
+        scores = scores - slopes.double()[None, :, None, None] * dist
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+    return probs @ v
+
+
+def make_qkv(b: int, hq: int, hkv: int, tq: int, tk: int, d: int = 8, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, hq, tq, d, generator=g)
+    k = torch.randn(b, hkv, tk, d, generator=g)
+    v = torch.randn(b, hkv, tk, d, generator=g)
+    return q, k, v
+
+
+def left_padding(b: int, tk: int, pads: list[int]) -> Tensor:
+    mask = torch.ones(b, tk, dtype=torch.bool)
+    for i, p in enumerate(pads):
+        mask[i, :p] = False
+    return mask
+
+
+# --------------------------------------------------------------------------- dense / sdpa
+
+
+@pytest.mark.parametrize("fn", [dense_attention, sdpa_attention], ids=["dense", "sdpa"])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("groups", [1, 2, 4])
+@pytest.mark.parametrize("tq,tk", [(7, 7), (3, 10), (1, 6)])
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("with_pad", [False, True])
+def test_kernels_match_naive(fn, causal, groups, tq, tk, with_bias, with_pad):
+    hkv = 2
+    hq = hkv * groups
+    q, k, v = make_qkv(2, hq, hkv, tq, tk)
+    slopes = torch.tensor(alibi_slopes(hq)) if with_bias else None
+    bias = DistanceBias(slopes) if with_bias else None
+    # Sample 1 is left-padded so far that its first queries see no key at all.
+    pad = left_padding(2, tk, [0, tk - tq + 1]) if with_pad else None
+    out = fn(q, k, v, causal=causal, bias=bias, key_padding_mask=pad)
+    ref = naive(q, k, v, causal=causal, slopes=slopes, pad=pad)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    torch.testing.assert_close(out.double(), ref, atol=ATOL, rtol=0)
+
+
+def test_dense_and_sdpa_agree():
+    q, k, v = make_qkv(2, 4, 1, 9, 9, seed=3)
+    for causal in (True, False):
+        torch.testing.assert_close(
+            dense_attention(q, k, v, causal=causal),
+            sdpa_attention(q, k, v, causal=causal),
+            atol=ATOL,
+            rtol=0,
+        )
+
+
+def test_naive_reference_is_causal():
+    # Guard the guard: the reference must not see the future.
+    q, k, v = make_qkv(1, 2, 2, 6, 6)
+    k2, v2 = k.clone(), v.clone()
+    k2[:, :, -1] += 5.0
+    v2[:, :, -1] -= 5.0
+    a, b = naive(q, k, v), naive(q, k2, v2)
+    torch.testing.assert_close(a[:, :, :-1], b[:, :, :-1])
+    assert not torch.allclose(a[:, :, -1], b[:, :, -1])
+
+
+@pytest.mark.parametrize("name", list(KERNELS))
+@pytest.mark.parametrize("groups", [1, 4])
+def test_cache_alignment(name, groups):
+    """The last m rows of full causal attention equal the last m queries over all keys."""
+    t, m = 11, 3
+    q, k, v = make_qkv(2, 2 * groups, 2, t, t, seed=1)
+    slopes = torch.tensor(alibi_slopes(2 * groups))
+    opts = {"window": 4} if name == "sliding_window" else {}
+    kernel = KERNELS[name](KERNELS[name].Options(**opts), CTX).eval()
+    for bias in (None, DistanceBias(slopes)):
+        full = kernel(q, k, v, bias=bias)
+        tail = kernel(q[:, :, -m:], k, v, bias=bias)
+        torch.testing.assert_close(tail, full[:, :, -m:], atol=ATOL, rtol=0)
+        step = kernel(q[:, :, -1:], k, v, bias=bias)
+        torch.testing.assert_close(step, full[:, :, -1:], atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("fn", [dense_attention, sdpa_attention], ids=["dense", "sdpa"])
+def test_fully_padded_rows_are_zero_with_finite_grads(fn):
+    q, k, v = make_qkv(2, 2, 2, 5, 5)
+    for t in (q, k, v):
+        t.requires_grad_(True)
+    pad = left_padding(2, 5, [0, 3])
+    out = fn(q, k, v, key_padding_mask=pad)
+    assert torch.equal(out[1, :, :3], torch.zeros_like(out[1, :, :3]))
+    out.square().sum().backward()
+    assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
+
+
+def test_shape_errors():
+    q, k, v = make_qkv(1, 3, 2, 4, 4)
+    with pytest.raises(ValueError, match="multiple"):
+        dense_attention(q, k, v)
+    q, k, v = make_qkv(1, 2, 2, 5, 4)
+    with pytest.raises(ValueError, match="fewer keys"):
+        sdpa_attention(q, k, v)
+
+
+# --------------------------------------------------------------------------- sliding window
+
+
+@pytest.mark.parametrize("window", [1, 3, 16, 40])
+@pytest.mark.parametrize("t", [1, 5, 17, 33])
+@pytest.mark.parametrize("chunk", [None, 4, 7])
+def test_sliding_window_matches_reference(window, t, chunk):
+    q, k, v = make_qkv(2, 4, 2, t, t, seed=window + t)
+    out = sliding_window_attention(q, k, v, window, chunk=chunk)
+    torch.testing.assert_close(out.double(), naive(q, k, v, window=window), atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("window", [1, 3, 16, 64])
+@pytest.mark.parametrize("tq,tk", [(1, 20), (5, 20), (9, 9), (13, 30)])
+@pytest.mark.parametrize("groups", [1, 2, 4])
+@pytest.mark.parametrize("chunk", [None, 4])
+def test_sliding_window_cache_gqa_bias_padding(window, tq, tk, groups, chunk):
+    hq = 2 * groups
+    q, k, v = make_qkv(2, hq, 2, tq, tk, seed=tq * tk)
+    slopes = torch.tensor(alibi_slopes(hq))
+    pad = left_padding(2, tk, [0, tk - tq + 2])
+    out = sliding_window_attention(
+        q, k, v, window, bias=DistanceBias(slopes), key_padding_mask=pad, chunk=chunk
+    )
+    ref = naive(q, k, v, slopes=slopes, pad=pad, window=window)
+    torch.testing.assert_close(out.double(), ref, atol=ATOL, rtol=0)
+
+
+def test_sliding_window_at_least_length_is_dense_causal():
+    q, k, v = make_qkv(2, 4, 2, 19, 19)
+    for window in (19, 1000):
+        torch.testing.assert_close(
+            sliding_window_attention(q, k, v, window, chunk=5),
+            dense_attention(q, k, v),
+            atol=ATOL,
+            rtol=0,
+        )
+
+
+def test_sliding_window_gradients_match_reference():
+    q, k, v = make_qkv(2, 4, 2, 21, 21, seed=5)
+    slopes = torch.tensor(alibi_slopes(4))
+    pad = left_padding(2, 21, [0, 4])
+    grad_out = torch.randn(q.shape, generator=torch.Generator().manual_seed(9))
+    ins = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    out = sliding_window_attention(
+        *ins, 6, bias=DistanceBias(slopes), key_padding_mask=pad, chunk=4
+    )
+    grads = torch.autograd.grad(out, ins, grad_out)
+    ref_ins = [t.double().requires_grad_(True) for t in (q, k, v)]
+    ref = naive(*ref_ins, slopes=slopes, pad=pad, window=6)
+    ref_grads = torch.autograd.grad(ref, ref_ins, grad_out.double())
+    for got, want in zip(grads, ref_grads, strict=True):
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=0)
+
+
+class _LargestTensor(TorchDispatchMode):
+    """Records the largest tensor any aten op returns (forward and backward)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+def _largest(fn, *inputs: Tensor) -> int:
+    ins = [t.clone().requires_grad_(True) for t in inputs]
+    with _LargestTensor() as probe:
+        fn(*ins).sum().backward()
+    return probe.largest
+
+
+def test_sliding_window_memory_is_linear_in_length():
+    b, h, d, window = 1, 2, 4, 8
+    length = 1024
+    q, k, v = make_qkv(b, h, h, length, length, d=d)
+    quadratic = b * h * length * length
+    # The probe catches a full L×L score matrix ...
+    assert _largest(dense_attention, q, k, v) >= quadratic
+    # ... and sliding-window attention never builds one: everything is O(L·(C+W)).
+    c = default_chunk(window)
+    banded = b * h * length * (c + window)
+    largest = _largest(lambda q, k, v: sliding_window_attention(q, k, v, window), q, k, v)
+    assert largest <= 2 * banded, (largest, banded)
+    assert largest * 16 < quadratic
+    # Doubling L doubles the largest intermediate instead of quadrupling it.
+    q2, k2, v2 = make_qkv(b, h, h, 2 * length, 2 * length, d=d)
+    largest2 = _largest(lambda q, k, v: sliding_window_attention(q, k, v, window), q2, k2, v2)
+    assert largest2 <= 2 * largest + 64
+
+
+def test_sliding_window_module_contract():
+    kernel = SlidingWindowAttention(SlidingWindowAttention.Options(window=5), CTX)
+    assert isinstance(kernel, AttentionKernel)
+    assert kernel.cache_window == 5
+    q, k, v = make_qkv(1, 4, 2, 6, 6)
+    with pytest.raises(ValueError, match="causal"):
+        kernel(q, k, v, causal=False)
+    with pytest.raises(ValidationError):
+        SlidingWindowAttention.Options(window=0)
+    assert DenseAttention(DenseAttention.Options(), CTX).cache_window is None
+
+
+# --------------------------------------------------------------------------- modules
+
+
+@pytest.mark.parametrize("name", list(KERNELS))
+def test_dropout_only_in_training(name):
+    cls = KERNELS[name]
+    q, k, v = make_qkv(2, 4, 2, 8, 8)
+    plain = cls(cls.Options(), CTX).eval()(q, k, v)
+    kernel = cls(cls.Options(dropout=0.5), CTX)
+    kernel.eval()
+    torch.testing.assert_close(kernel(q, k, v), plain)
+    kernel.train()
+    torch.manual_seed(0)
+    assert not torch.allclose(kernel(q, k, v), plain)
+
+
+@pytest.mark.parametrize("name", list(KERNELS))
+def test_options_schema(name):
+    opts = KERNELS[name].Options
+    assert issubclass(opts, ComponentOptions)
+    schema = opts.model_json_schema()
+    assert all(p.get("description") for p in schema["properties"].values())
+    with pytest.raises(ValidationError):
+        opts(unknown=1)
+    with pytest.raises(ValidationError):
+        opts(dropout=1.0)

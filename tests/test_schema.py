@@ -1,0 +1,56 @@
+"""The JSON Schema covers every registered component and validates the example specs."""
+
+from __future__ import annotations
+
+import jsonschema
+import pytest
+
+from llmkit.registry import get_registry
+from llmkit.schema import spec_schema
+from llmkit.spec import load_raw
+from tests.conftest import SPECS
+
+
+@pytest.fixture(scope="module")
+def schema():
+    return spec_schema(get_registry())
+
+
+def _validator(schema):
+    return jsonschema.Draft202012Validator(schema)
+
+
+def test_one_branch_per_component(schema):
+    defs = schema["$defs"]
+    reg = get_registry()
+    for rec in reg.list():
+        key = f"{rec.kind}__{rec.name}"
+        assert key in defs, key
+        assert defs[key]["properties"]["name"]["const"] == rec.name
+        assert defs[key]["additionalProperties"] is False
+
+
+@pytest.mark.parametrize(
+    "path", sorted(SPECS.glob("*.toml")) + sorted(SPECS.glob("*.yaml")), ids=lambda p: p.name
+)
+def test_every_example_spec_validates_against_the_schema(schema, path):
+    _validator(schema).validate(load_raw(path))
+
+
+def test_schema_rejects_bad_component_options(schema):
+    bad = {
+        "model": {
+            "d_model": 8,
+            "n_layers": 1,
+            "n_heads": 2,
+            "attention": {"name": "sliding_window", "windw": 3},
+        }
+    }
+    errors = list(_validator(schema).iter_errors(bad))
+    assert errors
+    bad["model"]["attention"] = {"name": "sliding_window", "window": 0}
+    assert list(_validator(schema).iter_errors(bad))
+    bad["model"]["attention"] = {"name": "nonexistent"}
+    assert list(_validator(schema).iter_errors(bad))
+    bad["model"]["attention"] = {"name": "sliding_window", "window": 3}
+    assert not list(_validator(schema).iter_errors(bad))
