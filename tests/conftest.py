@@ -8,9 +8,9 @@ os.environ["LLMKIT_PLUGINS"] = ""  # only the built-in plugin
 os.environ.pop("LLMKIT_STRICT_PLUGINS", None)
 os.environ.pop("LLMKIT_REGISTRY", None)
 
-from pathlib import Path  # noqa: E402
+from pathlib import Path
 
-import pytest  # noqa: E402
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 SPECS = ROOT / "specs"

@@ -95,9 +95,9 @@ def _python(code: str, *env_pairs: tuple[str, str]) -> subprocess.CompletedProce
 def test_help_and_list_do_not_import_heavy_libraries(argv):
     code = (
         "import sys\nfrom llmkit.cli import main\n"
-        "try:\n    main(%r)\nexcept SystemExit:\n    pass\n"
+        f"try:\n    main({argv!r})\nexcept SystemExit:\n    pass\n"
         "heavy = [m for m in ('torch', 'triton', 'datasets') if m in sys.modules]\n"
-        "assert not heavy, heavy\n" % argv
+        "assert not heavy, heavy\n"
     )
     proc = _python(code)
     assert proc.returncode == 0, proc.stderr

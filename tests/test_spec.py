@@ -219,7 +219,7 @@ def test_set_overrides_are_validated_the_same_way():
     )
     assert rs.layers[2].attention.options.window == 3
     assert rs.optimizer.options.betas == (0.9, 0.95)
-    with pytest.raises(SpecError, match="model.attention.window: Input should be greater"):
+    with pytest.raises(SpecError, match=r"model\.attention\.window: Input should be greater"):
         load_spec_dict(spec, ["model.attention.name=sliding_window", "model.attention.window=0"])
     with pytest.raises(LlmkitError, match="expected KEY=VALUE"):
         load_spec_dict(spec, ["model.n_layers"])
@@ -277,10 +277,10 @@ def test_embedding_positions_cannot_be_set_per_layer():
 def test_requires_names_missing_or_old_distributions():
     spec = tiny_spec()
     spec["requires"] = ["llmkit-surely-not-installed>=0.2"]
-    with pytest.raises(SpecError, match="llmkit-surely-not-installed>=0.2 is not installed"):
+    with pytest.raises(SpecError, match=r"llmkit-surely-not-installed>=0\.2 is not installed"):
         load_spec_dict(spec)
     spec["requires"] = ["pydantic>=999"]
-    with pytest.raises(SpecError, match="pydantic>=999 but pydantic 2"):
+    with pytest.raises(SpecError, match=r"pydantic>=999 but pydantic 2\."):
         load_spec_dict(spec)
     spec["requires"] = ["pydantic>=2"]
     assert load_spec_dict(spec)

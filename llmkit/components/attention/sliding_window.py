@@ -126,7 +126,7 @@ def sliding_window_attention(
     band = (j >= a) & (j <= a + (w - 1))  # (C, Kc)
     mask = band & valid_w[:, :, None, :]  # (B or 1, n, C, Kc)
     empty = ~mask.any(dim=-1, keepdim=True)  # rows with no key: padding, or padded queries
-    mask = mask[:, None, :, None]  # re-opened so softmax stays finite
+    mask = (mask | empty)[:, None, :, None]  # re-opened so softmax stays finite
     scores = scores.masked_fill(~mask, float("-inf"))
     probs = torch.softmax(scores, dim=-1).masked_fill(empty[:, None, :, None], 0.0)
     if dropout_p > 0.0:

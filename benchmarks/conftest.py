@@ -1,0 +1,12 @@
+"""Benchmark set-up: only the built-in plugin unless asked; quick shapes unless full.
+
+``LLMKIT_BENCH=full`` selects the full shapes; the default quick shapes keep CI short.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("LLMKIT_PLUGINS", "")
+
+FULL = os.environ.get("LLMKIT_BENCH", "quick") == "full"

@@ -1,0 +1,67 @@
+"""Forward+backward time of every registered attention, ffn and norm component.
+
+Parametrized over the registry: a plugin's component joins without edits here.
+Run ``pytest benchmarks`` (``LLMKIT_BENCH=full`` for the larger shapes).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from benchmarks.conftest import FULL
+from llmkit.components.base import BuildContext
+from llmkit.registry import get_registry
+
+SEQ = [256, 1024, 4096] if FULL else [64]
+HEAD_DIM = [64, 128] if FULL else [32]
+
+
+def _records(kind):
+    return [pytest.param(r, id=r.name) for r in get_registry().list(kind)]
+
+
+def _ctx(d_model: int, heads: int, head_dim: int, seq: int) -> BuildContext:
+    return BuildContext(d_model=d_model, n_heads=heads, n_kv_heads=heads, head_dim=head_dim,
+                        max_seq_len=seq, n_layers=1)
+
+
+@pytest.mark.parametrize("seq", SEQ)
+@pytest.mark.parametrize("head_dim", HEAD_DIM)
+@pytest.mark.parametrize("record", _records("attention"))
+def test_attention_forward_backward(benchmark, record, seq, head_dim):
+    heads = 4
+    kernel = record.load()(record.options_model()(), _ctx(heads * head_dim, heads, head_dim, seq))
+    q, k, v = (torch.randn(1, heads, seq, head_dim, requires_grad=True) for _ in range(3))
+    flops = 4 * heads * seq * seq * head_dim * 0.5 * 3.5  # causal fwd + bwd (2.5× fwd)
+
+    def step():
+        out = kernel(q, k, v, causal=True)
+        out.sum().backward()
+        return out
+
+    out = benchmark(step)
+    assert out.shape == q.shape and torch.isfinite(out).all()
+    if benchmark.stats:
+        benchmark.extra_info["GFLOP/s"] = flops / benchmark.stats.stats.median / 1e9
+
+
+@pytest.mark.parametrize("kind", ["ffn", "norm"])
+def test_kind_has_components(kind):
+    assert get_registry().list(kind)
+
+
+@pytest.mark.parametrize("record", _records("ffn") + _records("norm"))
+def test_ffn_and_norm_forward_backward(benchmark, record):
+    d_model, tokens = (768, 4096) if FULL else (64, 128)
+    ctx = _ctx(d_model, 4, d_model // 4, tokens)
+    module = record.load()(record.options_model()(), ctx)
+    x = torch.randn(1, tokens, d_model, requires_grad=True)
+
+    def step():
+        out = module(x)
+        out.sum().backward()
+        return out
+
+    out = benchmark(step)
+    assert out.shape == x.shape and torch.isfinite(out).all()
