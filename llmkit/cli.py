@@ -266,6 +266,140 @@ def _ref(res: Any) -> str:
     return f"{res.name}({inner})" if inner else res.name
 
 
+def cmd_train(args: argparse.Namespace) -> int:
+    from llmkit.train import train
+
+    sets = list(args.set or [])
+    if args.max_steps is not None:
+        sets.append(f"train.max_steps={args.max_steps}")
+    if args.resume:
+        if args.spec is not None and args.out is None:
+            args.out = args.spec  # `llmkit train --resume RUN_DIR`
+        elif args.spec is not None:
+            raise LlmkitError("--resume takes a run directory, not a spec file")
+        result = train(
+            run_dir=args.out,
+            overrides=sets,
+            resume=True,
+            max_time=args.max_time,
+            progress=args.progress,
+        )
+    else:
+        result = train(
+            args.spec,
+            run_dir=args.out,
+            overrides=sets,
+            max_time=args.max_time,
+            progress=args.progress,
+        )
+    con = _console()
+    val = f"{result.val_loss:.4f}" if result.val_loss is not None else "n/a"
+    con.print(
+        f"done: {result.step} steps, {result.tokens:,} tokens in {result.seconds:.1f}s "
+        f"({result.stopped}); val loss {val}; run: {result.run_dir}",
+        markup=False,
+    )
+    if not args.no_sample:
+        _print_sample(result.run_dir)
+    return 0
+
+
+def _print_sample(run_dir: Any) -> None:
+    from llmkit.generate import Sampling
+    from llmkit.run import load_run
+
+    run = load_run(run_dir)
+    t = run.spec.spec.train
+    if t.sample_tokens <= 0:
+        return
+    text = _complete(
+        run,
+        t.sample_prompt,
+        Sampling(max_new_tokens=t.sample_tokens, temperature=0.8, top_k=50, seed=t.seed),
+    )
+    con = _console()
+    con.rule("sample")
+    con.print(t.sample_prompt + text, markup=False, highlight=False)
+    con.rule()
+
+
+def _complete(run: Any, prompt: str, sampling: Any) -> str:
+    import torch
+
+    from llmkit.generate import generate_ids
+
+    tok = run.tokenizer
+    ids = tok.encode(prompt) if prompt else []
+    if not ids:
+        ids = [tok.eos_id if tok.eos_id is not None else 0]
+    ids = ids[-run.model.config.max_seq_len :]
+    if sampling.eos_id is None and prompt:
+        sampling.eos_id = tok.eos_id
+    new = generate_ids(run.model, torch.tensor([ids]), sampling)
+    return tok.decode(new[0].tolist())
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from llmkit.generate import Sampling
+    from llmkit.run import load_run
+
+    run = load_run(args.run, which=args.weights)
+    sampling = Sampling(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+    )
+    text = _complete(run, args.prompt, sampling)
+    sys.stdout.write(args.prompt + text + "\n")
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    import torch
+
+    from llmkit import hardware
+    from llmkit.evaluate import evaluate_batches, full_text_batches
+    from llmkit.run import load_run
+
+    run = load_run(args.run, which=args.weights)
+    device = hardware.choose_device(args.device)
+    run.model.to(device)
+    block = run.spec.spec.data.block_size or run.spec.model.max_seq_len
+    if args.data:
+        from pathlib import Path
+
+        path = Path(args.data)
+        if not path.is_file():
+            raise LlmkitError(f"--data: file not found: {path}")
+        text = path.read_text(encoding="utf-8", errors="replace")
+        if not text:
+            raise LlmkitError(f"--data: {path} is empty")
+        tokens = torch.tensor(run.tokenizer.encode(text), dtype=torch.long)
+        if tokens.numel() < 2:
+            raise LlmkitError(f"--data: {path} has fewer than 2 tokens")
+        res = evaluate_batches(run.model, full_text_batches(tokens, block, args.batch_size), device)
+        res.text_bytes = len(text.encode("utf-8"))
+        source = str(path)
+    else:
+        from llmkit.data import prepare_data
+
+        data = prepare_data(run.spec, run.run_dir, run.tokenizer, log=lambda _m: None)
+        tokens = torch.from_numpy(data.validation.array().astype("int64"))
+        res = evaluate_batches(run.model, full_text_batches(tokens, block, args.batch_size), device)
+        res.text_bytes = data.validation.text_bytes
+        source = "validation split"
+    con = _console()
+    con.print(f"{run.weights} on {source}: {res.tokens:,} tokens", markup=False)
+    con.print(f"loss {res.loss:.4f} nats/token, perplexity {res.ppl:.3f}")
+    if res.bits_per_byte is not None:
+        con.print(f"{res.nats_per_byte:.4f} nats/byte, {res.bits_per_byte:.4f} bits/byte")
+    if args.json:
+        con.print_json(json.dumps(res.as_dict()))
+    return 0
+
+
 # -- parser -----------------------------------------------------------------------------------
 
 
@@ -308,6 +442,39 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=8, help="batch for the memory estimate")
     p.add_argument("--seq-len", type=int, default=None, help="default: max_seq_len")
     p.add_argument("--json", action="store_true", help="also print the numbers as JSON")
+
+    p = add("train", cmd_train, "train a model from a spec, or resume a run")
+    p.add_argument("spec", nargs="?", help="spec file (or the run directory with --resume)")
+    p.add_argument("--out", help="run directory (default runs/<name>-<time>)")
+    p.add_argument("--resume", action="store_true", help="continue the run in --out / RUN")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="dotted override")
+    p.add_argument("--max-steps", type=int, help="optimizer steps (sets train.max_steps)")
+    p.add_argument("--max-time", type=float, help="stop after this many seconds")
+    p.add_argument("--no-sample", action="store_true", help="skip the sample at the end")
+    p.add_argument(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="progress bar (default: when on a terminal)",
+    )
+
+    p = add("eval", cmd_eval, "loss and perplexity of a run or checkpoint")
+    p.add_argument("run", help="run directory or checkpoint directory")
+    p.add_argument("--data", help="a text file (default: the run's validation split)")
+    p.add_argument("--weights", choices=["final", "best", "latest"], default="final")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--json", action="store_true")
+
+    p = add("generate", cmd_generate, "generate text from a trained run")
+    p.add_argument("run", help="run directory or checkpoint directory")
+    p.add_argument("--prompt", default="", help="text to continue")
+    p.add_argument("--max-new-tokens", type=int, default=200)
+    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--weights", choices=["final", "best", "latest"], default="final")
     return parser
 
 

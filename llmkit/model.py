@@ -13,6 +13,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from llmkit.components.base import (
     AttentionKernel,
@@ -192,6 +193,7 @@ class Transformer(nn.Module):
         if m.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
         self.reset_parameters()
+        self.activation_checkpointing = False
         self._reporters = [
             (n, mod) for n, mod in self.named_modules() if isinstance(mod, SideOutputs)
         ]
@@ -244,9 +246,21 @@ class Transformer(nn.Module):
             cache.key_padding_mask = key_padding_mask
         x = self.tok_emb(idx)  # (B, T, C)
         x = self.drop(self.position.embed(x, positions))
+        recompute = self.activation_checkpointing and self.training and cache is None
         for j, block in enumerate(self.layers):
             layer_cache = cache.layers[j] if cache is not None else None
-            x = block(x, self.layer_position(j), positions, layer_cache, key_padding_mask)
+            if recompute:
+                x = checkpoint(
+                    block,
+                    x,
+                    self.layer_position(j),
+                    positions,
+                    None,
+                    key_padding_mask,
+                    use_reentrant=False,
+                )
+            else:
+                x = block(x, self.layer_position(j), positions, layer_cache, key_padding_mask)
         if cache is not None:
             cache.position += T
         x = self.norm_f(x)

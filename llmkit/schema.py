@@ -12,8 +12,9 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import Field, create_model
 
-from llmkit.spec import DEFAULT_COMPONENTS as DEFAULTS
-from llmkit.spec import LayerOverride, ModelSpec, Spec
+from llmkit.spec import DEFAULT_COMPONENTS, DataSpec, LayerOverride, ModelSpec, Spec
+
+KINDS = ("attention", "ffn", "norm", "position", "optimizer", "schedule", "dataset")
 
 
 def _ident(text: str) -> str:
@@ -41,8 +42,9 @@ def ref_type(registry: Any, kind: str) -> Any:
 
 def spec_schema(registry: Any) -> dict[str, Any]:
     """The JSON Schema (draft 2020-12) of a spec file, after ``extends`` is applied."""
-    refs = {kind: ref_type(registry, kind) for kind in DEFAULTS}
+    refs = {kind: ref_type(registry, kind) for kind in KINDS if kind in registry.kinds}
     slot = {k: refs[k] for k in ("attention", "ffn", "norm", "position")}
+    dflt = DEFAULT_COMPONENTS
     override = create_model(
         "LayerOverride",
         __base__=LayerOverride,
@@ -52,14 +54,22 @@ def spec_schema(registry: Any) -> dict[str, Any]:
         "ModelSpec",
         __base__=ModelSpec,
         overrides=(list[override], Field(default_factory=list)),
-        **{k: (v, Field(default={"name": DEFAULTS[k]})) for k, v in slot.items()},
+        **{k: (v, Field(default={"name": dflt[k]})) for k, v in slot.items()},
     )
+    data = DataSpec
+    if "dataset" in refs:
+        data = create_model(
+            "DataSpec",
+            __base__=DataSpec,
+            source=(refs["dataset"], Field(default={"name": dflt["source"]})),
+        )
     spec = create_model(
         "Spec",
         __base__=Spec,
         model=(model, ...),
         optimizer=(refs["optimizer"], Field(default={"name": "adamw"})),
         schedule=(refs["schedule"], Field(default={"name": "cosine"})),
+        data=(data, Field(default_factory=dict)),
     )
     schema = spec.model_json_schema()
     schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"

@@ -106,6 +106,77 @@ class ModelSpec(Strict):
         return self.head_dim or self.d_model // self.n_heads
 
 
+class TokenizerSpec(Strict):
+    """How text becomes token ids."""
+
+    kind: Literal["bpe", "char"] = Field(
+        "bpe", description="Byte-level BPE trained on the corpus, or one token per character."
+    )
+    path: str | None = Field(
+        None, description="A pre-trained tokenizer.json to use instead of training one."
+    )
+    vocab_size: int | None = Field(
+        None, gt=0, description="BPE vocabulary size; default model.vocab_size."
+    )
+    special_tokens: list[str] = Field(
+        default_factory=lambda: ["<|endoftext|>"],
+        description="Special tokens; the first one separates documents.",
+    )
+    min_frequency: int = Field(2, ge=1, description="BPE: minimum pair frequency to merge.")
+    train_bytes: int | None = Field(
+        20_000_000, gt=0, description="Train the tokenizer on at most this much text."
+    )
+
+
+class DataSpec(Strict):
+    """Where the corpus comes from and how it is cut into blocks."""
+
+    source: ComponentRef = Field(
+        default_factory=lambda: ComponentRef(name="python-stdlib"),
+        description="A registered dataset source (see `llmkit list dataset`).",
+    )
+    block_size: int | None = Field(
+        None, gt=0, description="Tokens per training sequence; default model.max_seq_len."
+    )
+    cache_dir: str | None = Field(
+        None, description="Where tokenized data is cached; default <run>/data."
+    )
+    num_proc: int = Field(1, ge=1, description="Processes for tokenization (datasets.map).")
+
+
+class TrainSpec(Strict):
+    """The training recipe besides optimizer and schedule."""
+
+    batch_size: int = Field(16, gt=0, description="Sequences per micro-batch.")
+    grad_accum: int = Field(1, gt=0, description="Micro-batches per optimizer step.")
+    max_steps: int = Field(1000, gt=0, description="Optimizer steps (the schedule's length).")
+    max_time: float | None = Field(None, gt=0, description="Stop after this many seconds.")
+    grad_clip: float | None = Field(1.0, gt=0, description="Clip the global grad norm; none=off.")
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = Field(
+        "auto", description="auto = bf16 autocast where the hardware has it, else fp32."
+    )
+    device: str = Field("auto", description="auto (cuda, mps, cpu) or a torch device string.")
+    compile: bool = Field(False, description="Wrap the model in torch.compile.")
+    activation_checkpointing: bool = Field(
+        False, description="Recompute each block's activations in backward."
+    )
+    seed: int = Field(1337, description="Seeds init, data order and dropout.")
+    eval_interval: int = Field(250, gt=0, description="Evaluate every N steps (and at the end).")
+    eval_batches: int = Field(20, gt=0, description="Validation batches per evaluation.")
+    log_interval: int = Field(10, gt=0, description="Write a metrics line every N steps.")
+    checkpoint_interval: int | None = Field(
+        None, gt=0, description="Checkpoint every N steps; default eval_interval."
+    )
+    early_stopping_patience: int | None = Field(
+        None, gt=0, description="Stop after N evaluations without a better val loss."
+    )
+    on_nonfinite: Literal["stop", "skip"] = Field(
+        "stop", description="A non-finite loss stops the run, or the step is skipped."
+    )
+    sample_tokens: int = Field(200, ge=0, description="Tokens of the sample printed at the end.")
+    sample_prompt: str = Field("", description="Prompt of the sample printed at the end.")
+
+
 class Spec(Strict):
     """A whole spec file: architecture plus training recipe."""
 
@@ -118,9 +189,9 @@ class Spec(Strict):
     model: ModelSpec
     optimizer: ComponentRef = Field(default_factory=lambda: ComponentRef(name="adamw"))
     schedule: ComponentRef = Field(default_factory=lambda: ComponentRef(name="cosine"))
-    tokenizer: dict[str, Any] = Field(default_factory=dict, description="Tokenizer settings.")
-    data: dict[str, Any] = Field(default_factory=dict, description="Data settings.")
-    train: dict[str, Any] = Field(default_factory=dict, description="Training settings.")
+    tokenizer: TokenizerSpec = Field(default_factory=TokenizerSpec)
+    data: DataSpec = Field(default_factory=DataSpec)
+    train: TrainSpec = Field(default_factory=TrainSpec)
 
 
 # -- resolved form ----------------------------------------------------------------------------
@@ -163,6 +234,7 @@ class ResolvedSpec:
     layers: list[LayerPlan]
     optimizer: Resolved
     schedule: Resolved
+    dataset: Resolved | None = None
     source: str | None = None
     raw: dict[str, Any] = field(default_factory=dict)
 
@@ -186,6 +258,8 @@ class ResolvedSpec:
         m.pop("overrides", None)
         out["optimizer"] = self.optimizer.to_dict()
         out["schedule"] = self.schedule.to_dict()
+        if self.dataset is not None:
+            out["data"]["source"] = self.dataset.to_dict()
         return out
 
 
@@ -492,6 +566,10 @@ def resolve(data: dict[str, Any], source: str | None = None, registry: Any = Non
     base = {slot: r.ref(slot, raw_model.get(slot), f"model.{slot}") for slot in MODEL_SLOTS}
     optimizer = r.ref("optimizer", data.get("optimizer"), "optimizer")
     schedule = r.ref("schedule", data.get("schedule"), "schedule")
+    raw_data = data.get("data") if isinstance(data.get("data"), dict) else {}
+    dataset = None
+    if "dataset" in getattr(registry, "kinds", {}):
+        dataset = r.ref("dataset", raw_data.get("source"), "data.source")
 
     n_layers = raw_model.get("n_layers") if isinstance(raw_model.get("n_layers"), int) else 0
     per_layer: list[dict[str, Resolved | None]] = [dict(base) for _ in range(max(n_layers, 0))]
@@ -532,6 +610,7 @@ def resolve(data: dict[str, Any], source: str | None = None, registry: Any = Non
         layers=layers,
         optimizer=optimizer,  # type: ignore[arg-type]
         schedule=schedule,  # type: ignore[arg-type]
+        dataset=dataset,
         source=source,
         raw=data,
     )
@@ -544,6 +623,7 @@ DEFAULT_COMPONENTS = {
     "position": "learned",
     "optimizer": "adamw",
     "schedule": "cosine",
+    "source": "python-stdlib",
 }
 
 
@@ -553,6 +633,9 @@ def _default_names(data: dict[str, Any]) -> None:
     tables = [(data, k) for k in ("optimizer", "schedule")]
     if isinstance(model, dict):
         tables += [(model, k) for k in MODEL_SLOTS]
+    section = data.setdefault("data", {})
+    if isinstance(section, dict):
+        tables.append((section, "source"))
     for parent, key in tables:
         value = parent.setdefault(key, {})
         if isinstance(value, dict):

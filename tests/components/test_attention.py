@@ -150,6 +150,7 @@ def _sliding4(q: Tensor, k: Tensor, v: Tensor, **kw) -> Tensor:
 @pytest.mark.parametrize(
     "fn", [dense_attention, sdpa_attention, _sliding4], ids=["dense", "sdpa", "sliding_window"]
 )
+@pytest.mark.filterwarnings("ignore:Anomaly Detection has been enabled")
 def test_fully_padded_rows_are_zero_without_nans(fn):
     q, k, v = make_qkv(2, 2, 2, 5, 5)
     for t in (q, k, v):
@@ -253,7 +254,7 @@ def _largest(fn, *inputs: Tensor) -> int:
 
 def test_sliding_window_memory_is_linear_in_length():
     b, h, d, window = 1, 2, 4, 8
-    length = 1024
+    length = 512
     q, k, v = make_qkv(b, h, h, length, length, d=d)
     quadratic = b * h * length * length
     # The probe catches a full L×L score matrix ...

@@ -1,0 +1,159 @@
+"""Checkpoints: weights as safetensors, trainer state loadable without unpickling code.
+
+Layout of ``<run>/checkpoints/``::
+
+    step-000400/model.safetensors   weights
+    step-000400/state.pt            optimizer, data position, RNG, counters (weights_only)
+    step-000400/meta.json           step, val loss, time
+    latest.json, best.json          pointers, each replaced atomically
+
+A checkpoint directory is written under a temporary name and renamed into place, then the
+pointer is replaced with ``os.replace``: a crash at any moment leaves the previous
+``latest`` intact and loadable.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_model, save_model
+from torch import nn
+
+from llmkit.errors import LlmkitError
+
+WEIGHTS = "model.safetensors"
+STATE = "state.pt"
+META = "meta.json"
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def save_weights(model: nn.Module, path: Path) -> None:
+    """Weights to safetensors (tied tensors handled), written atomically."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    save_model(model, str(tmp))
+    os.replace(tmp, path)
+
+
+def load_weights(model: nn.Module, path: Path) -> None:
+    if not path.is_file():
+        raise LlmkitError(f"no weights at {path}")
+    missing, unexpected = load_model(model, str(path), strict=False)
+    if missing or unexpected:
+        raise LlmkitError(
+            f"{path}: weights do not match the model (missing {sorted(missing)[:3]}, "
+            f"unexpected {sorted(unexpected)[:3]})"
+        )
+
+
+def rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "python": [*random.getstate()[1], random.getstate()[2] or 0],
+        "python_version": random.getstate()[0],
+        "numpy": _numpy_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _numpy_state() -> dict[str, Any]:
+    _, keys, pos, has_gauss, cached = np.random.get_state()
+    return {
+        "keys": torch.from_numpy(keys.astype(np.int64)),
+        "pos": int(pos),
+        "has_gauss": int(has_gauss),
+        "cached": float(cached),
+    }
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    py = state["python"]
+    gauss = py[-1] if py[-1] != 0 else None
+    random.setstate((state["python_version"], tuple(py[:-1]), gauss))
+    n = state["numpy"]
+    np.random.set_state(
+        ("MT19937", n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached"])
+    )
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+class Checkpoints:
+    """Writes and finds checkpoints of one run."""
+
+    def __init__(self, run_dir: Path, keep: int = 2) -> None:
+        self.dir = run_dir / "checkpoints"
+        self.keep = keep
+
+    def save(
+        self,
+        step: int,
+        model: nn.Module,
+        state: dict[str, Any],
+        meta: dict[str, Any],
+        *,
+        best: bool = False,
+    ) -> Path:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        name = f"step-{step:06d}"
+        final = self.dir / name
+        tmp = self.dir / f".tmp-{name}"
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+        save_model(model, str(tmp / WEIGHTS))
+        torch.save(state, tmp / STATE)
+        (tmp / META).write_text(json.dumps({"step": step, **meta}, indent=2) + "\n")
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        write_json_atomic(self.dir / "latest.json", {"step": step, "dir": name, **meta})
+        if best:
+            write_json_atomic(self.dir / "best.json", {"step": step, "dir": name, **meta})
+        self._prune()
+        return final
+
+    def _pointer(self, which: str) -> Path | None:
+        path = self.dir / f"{which}.json"
+        if not path.is_file():
+            return None
+        target = self.dir / json.loads(path.read_text())["dir"]
+        return target if target.is_dir() else None
+
+    def latest(self) -> Path | None:
+        return self._pointer("latest")
+
+    def best(self) -> Path | None:
+        return self._pointer("best")
+
+    def _prune(self) -> None:
+        keep = {p.name for p in (self.latest(), self.best()) if p is not None}
+        steps = sorted(p for p in self.dir.glob("step-*") if p.is_dir())
+        keep.update(p.name for p in steps[-self.keep :])
+        for p in steps:
+            if p.name not in keep:
+                shutil.rmtree(p, ignore_errors=True)
+        for p in self.dir.glob(".tmp-*"):
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def load_state(ckpt_dir: Path) -> dict[str, Any]:
+    """The trainer state of a checkpoint, loaded without executing pickled code."""
+    path = ckpt_dir / STATE
+    if not path.is_file():
+        raise LlmkitError(f"checkpoint {ckpt_dir} has no {STATE}")
+    return torch.load(path, map_location="cpu", weights_only=True)

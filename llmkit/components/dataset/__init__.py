@@ -1,0 +1,280 @@
+"""Built-in corpus sources (kind ``dataset``).
+
+A source is a class with an ``Options`` model, built as ``Source(options)``, with
+``splits(seed) -> datasets.DatasetDict`` holding ``"train"`` and ``"validation"``, each with
+a ``"text"`` string column (one document per row), and ``describe() -> str``, a one-line
+summary. It may also define ``fingerprint() -> str``, which changes when its input files
+change, so cached token files are never reused for edited data.
+
+Splits are deterministic for a seed whatever order the filesystem lists files in. Modules
+here import ``datasets`` lazily so that resolving a spec stays cheap; shared helpers live
+in this file.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import os
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from pydantic import Field
+
+from llmkit.components.base import ComponentOptions
+from llmkit.errors import LlmkitError
+
+if TYPE_CHECKING:
+    import datasets
+
+VALIDATION_NAMES = ("validation", "valid", "val", "test")
+_GLOB_CHARS = set("*?[")
+
+
+class FileSourceOptions(ComponentOptions):
+    """Options shared by sources that read local files."""
+
+    paths: list[str] = Field(
+        min_length=1,
+        description="Files or glob patterns (** recurses); relative to the current directory.",
+    )
+    val_paths: list[str] | None = Field(
+        None, description="Explicit validation files or globs, instead of splitting `paths`."
+    )
+
+
+# -- files ----------------------------------------------------------------------------------
+
+
+def resolve_paths(patterns: Sequence[str], what: str = "paths") -> list[Path]:
+    """Files named by ``patterns`` (plain paths or globs), each glob's matches sorted, in
+    pattern order, without duplicates. Missing files and empty globs are errors."""
+    out: dict[Path, None] = {}
+    for pattern in patterns:
+        expanded = os.path.expanduser(pattern)
+        if _GLOB_CHARS & set(expanded):
+            matches = sorted(
+                Path(m) for m in glob.glob(expanded, recursive=True) if Path(m).is_file()
+            )
+            if not matches:
+                raise LlmkitError(f"data.source.{what}: {pattern!r} matches no file")
+        else:
+            p = Path(expanded)
+            if p.is_dir():
+                raise LlmkitError(
+                    f"data.source.{what}: {pattern!r} is a directory; name files or use a glob "
+                    f"such as '{pattern.rstrip('/')}/*.txt'"
+                )
+            if not p.is_file():
+                raise LlmkitError(f"data.source.{what}: file not found: {pattern}")
+            matches = [p]
+        for m in matches:
+            out.setdefault(m, None)
+    return list(out)
+
+
+def train_val_files(
+    paths: Sequence[str], val_paths: Sequence[str] | None
+) -> tuple[list[Path], list[Path] | None]:
+    """Resolve ``paths`` and ``val_paths``; validation files are removed from the training
+    files (so ``data/*.txt`` with ``val_paths = ["data/val.txt"]`` works)."""
+    val = resolve_paths(val_paths, "val_paths") if val_paths is not None else None
+    train = resolve_paths(paths)
+    if val is not None:
+        taken = {p.resolve() for p in val}
+        train = [p for p in train if p.resolve() not in taken]
+        if not train:
+            raise LlmkitError("data.source.paths: every file is also in val_paths")
+    return train, val
+
+
+def files_fingerprint(files: Iterable[Path]) -> str:
+    """Changes when any file's path, size or modification time does."""
+    h = hashlib.sha256()
+    for p in files:
+        st = p.stat()
+        h.update(f"{p.resolve()}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    return h.hexdigest()[:16]
+
+
+def unit_hash(seed: int, key: str, salt: str = "split") -> float:
+    """A number in [0, 1) fixed by (seed, key, salt) alone."""
+    digest = hashlib.sha256(f"{salt}\0{seed}\0{key}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64
+
+
+def split_by_hash(keys: Sequence[str], seed: int, val_fraction: float) -> list[bool]:
+    """For each key, whether it goes to validation: ``unit_hash < val_fraction``, so a key's
+    split does not depend on the other keys. With two keys or more, neither split is left
+    empty: the lowest-hash key goes to validation (or the highest to train) if needed."""
+    u = [unit_hash(seed, k) for k in keys]
+    is_val = [x < val_fraction for x in u]
+    if len(keys) >= 2:
+        if not any(is_val):
+            is_val[min(range(len(u)), key=u.__getitem__)] = True
+        if all(is_val):
+            is_val[max(range(len(u)), key=u.__getitem__)] = False
+    return is_val
+
+
+def read_utf8(path: Path) -> str:
+    """A file's text; a clear error if it is not UTF-8."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise LlmkitError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from exc
+    except OSError as exc:
+        raise LlmkitError(f"{path}: cannot read: {exc.strerror or exc}") from exc
+
+
+def human_bytes(n: int) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000  # type: ignore[assignment]
+    return f"{n} B"  # pragma: no cover
+
+
+# -- datasets -------------------------------------------------------------------------------
+
+
+def text_dataset(columns: dict[str, list[Any]]) -> datasets.Dataset:
+    """An in-memory dataset from columns (``text`` first)."""
+    import datasets
+
+    features = datasets.Features({k: datasets.Value("string") for k in columns})
+    return datasets.Dataset.from_dict(columns, features=features)
+
+
+def dataset_dict(train: datasets.Dataset, validation: datasets.Dataset) -> datasets.DatasetDict:
+    import datasets
+
+    return datasets.DatasetDict({"train": train, "validation": validation})
+
+
+def select_text(ds: datasets.Dataset, field: str, where: str) -> datasets.Dataset:
+    """Keep only ``field``, renamed ``text``; clear errors if it is missing or not text."""
+    if field not in ds.column_names:
+        have = ", ".join(ds.column_names) or "none"
+        raise LlmkitError(f"{where}: no text field {field!r} (fields: {have}); set text_field")
+    feature = ds.features[field]
+    dtype = getattr(feature, "dtype", None)
+    if dtype not in ("string", "large_string"):
+        raise LlmkitError(f"{where}: field {field!r} holds {feature}, not text")
+    ds = ds.select_columns([field])
+    return ds.rename_column(field, "text") if field != "text" else ds
+
+
+def seeded_split(
+    ds: datasets.Dataset, val_fraction: float, seed: int, where: str
+) -> datasets.DatasetDict:
+    """Rows split at random, seeded: ``val_fraction`` of them (at least one) to validation."""
+    if len(ds) < 2:
+        raise LlmkitError(
+            f"{where}: {len(ds)} document(s) cannot be split into train and validation; "
+            "add documents or give val_paths"
+        )
+    # indices kept in memory: nothing is written next to the source's own files
+    parts = ds.train_test_split(
+        test_size=val_fraction, seed=seed, shuffle=True, keep_in_memory=True
+    )
+    return dataset_dict(parts["train"], parts["test"])
+
+
+def hf_load(
+    builder: str, train: list[Path], val: list[Path] | None, cache_dir: str | None
+) -> dict[str, datasets.Dataset]:
+    """``datasets.load_dataset(builder)`` over local files: ``{"train": ..., "validation":
+    ...}`` (no validation without ``val``). A file that fails to parse is named."""
+    import datasets
+
+    files = {"train": [str(p) for p in train]}
+    if val is not None:
+        files["validation"] = [str(p) for p in val]
+    try:
+        loaded = datasets.load_dataset(builder, data_files=files, cache_dir=cache_dir)
+    except Exception as exc:
+        bad, reason = _find_bad_file(builder, [*train, *(val or [])], cache_dir, exc)
+        raise LlmkitError(f"{bad}: cannot read as {builder}: {reason}") from exc
+    return dict(loaded)
+
+
+def _find_bad_file(
+    builder: str, files: list[Path], cache_dir: str | None, exc: BaseException
+) -> tuple[str, str]:
+    import datasets
+
+    for p in files:
+        try:
+            datasets.load_dataset(builder, data_files=[str(p)], split="train", cache_dir=cache_dir)
+        except Exception as one:
+            return str(p), _reason(one)
+    return ", ".join(str(p) for p in files), _reason(exc)
+
+
+def _reason(exc: BaseException) -> str:
+    while exc.__cause__ is not None and "error occurred while generating" in str(exc):
+        exc = exc.__cause__
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
+
+
+# -- sources read through datasets.load_dataset ------------------------------------------------
+
+
+class TableSourceOptions(FileSourceOptions):
+    """Options of sources with a text field, read by ``datasets.load_dataset``."""
+
+    text_field: str = Field("text", min_length=1, description="The field holding the text.")
+    val_fraction: float = Field(
+        0.05, gt=0, lt=1, description="Share of documents held out (seeded) without val_paths."
+    )
+    cache_dir: str | None = Field(
+        None, description="Where datasets keeps its Arrow copy; default datasets' own cache."
+    )
+
+
+class TableSource:
+    """Local files loaded with ``datasets.load_dataset(builder, data_files=...)``, one
+    document per row; validation is ``val_paths`` or a seeded share of the rows."""
+
+    builder = ""  # "json", "parquet", ...
+    label = ""
+    Options = TableSourceOptions
+
+    def __init__(self, options: TableSourceOptions) -> None:
+        self.options = options
+        self._summary: str | None = None
+
+    def _files(self) -> tuple[list[Path], list[Path] | None]:
+        return train_val_files(self.options.paths, self.options.val_paths)
+
+    def fingerprint(self) -> str:
+        train, val = self._files()
+        return files_fingerprint([*train, *(val or [])])
+
+    def splits(self, seed: int) -> datasets.DatasetDict:
+        o = self.options
+        train_files, val_files = self._files()
+        loaded = hf_load(self.builder, train_files, val_files, o.cache_dir)
+        where = f"{self.label} {', '.join(str(p) for p in train_files[:2])}"
+        train = select_text(loaded["train"], o.text_field, where)
+        if val_files is None:
+            parts = seeded_split(train, o.val_fraction, seed, where)
+        else:
+            vwhere = f"{self.label} {', '.join(str(p) for p in val_files[:2])}"
+            val = select_text(loaded["validation"], o.text_field, vwhere)
+            parts = dataset_dict(train, val)
+        for name, ds in parts.items():
+            if len(ds) == 0:
+                raise LlmkitError(f"{where}: the {name} split has no documents")
+        n_files = len(train_files) + len(val_files or [])
+        self._summary = (
+            f"{self.label}: {n_files} file(s), {len(parts['train'])} train docs, "
+            f"{len(parts['validation'])} validation docs (field {o.text_field!r})"
+        )
+        return parts
+
+    def describe(self) -> str:
+        return self._summary or f"{self.label}: {', '.join(self.options.paths)}"

@@ -1,0 +1,105 @@
+"""Local UTF-8 text files: one document per file."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
+
+from pydantic import Field
+
+from llmkit.components.dataset import (
+    FileSourceOptions,
+    dataset_dict,
+    files_fingerprint,
+    human_bytes,
+    read_utf8,
+    split_by_hash,
+    text_dataset,
+    train_val_files,
+)
+from llmkit.errors import LlmkitError
+
+if TYPE_CHECKING:
+    import datasets
+
+
+class Options(FileSourceOptions):
+    """Options of the text source."""
+
+    val_fraction: float = Field(
+        0.1, gt=0, lt=1, description="Share of the text (tail) or of the files held out."
+    )
+    split: Literal["tail", "file"] = Field(
+        "tail",
+        description="tail: the last val_fraction of each file's characters is validation "
+        "(nanoGPT's shakespeare_char); file: whole files by seeded hash of the path.",
+    )
+
+
+class TextFiles:
+    """Text files or globs. ``split="tail"`` holds out the end of every file, ``"file"``
+    whole files; ``val_paths`` names the validation files explicitly."""
+
+    Options = Options
+
+    def __init__(self, options: Options) -> None:
+        self.options = options
+        self._summary: str | None = None
+
+    def _files(self) -> tuple[list[Path], list[Path] | None]:
+        return train_val_files(self.options.paths, self.options.val_paths)
+
+    def fingerprint(self) -> str:
+        train, val = self._files()
+        return files_fingerprint([*train, *(val or [])])
+
+    def splits(self, seed: int) -> datasets.DatasetDict:
+        o = self.options
+        train_files, val_files = self._files()
+        docs = [(str(p), read_utf8(p)) for p in train_files]
+        train: list[tuple[str, str]]
+        val: list[tuple[str, str]]
+        if val_files is not None:
+            train, val = docs, [(str(p), read_utf8(p)) for p in val_files]
+            how = "val_paths"
+        elif o.split == "tail":
+            train, val = [], []
+            for path, text in docs:
+                cut = int(len(text) * (1 - o.val_fraction))  # nanoGPT: data[:int(n*0.9)]
+                train.append((path, text[:cut]))
+                val.append((path, text[cut:]))
+            how = f"last {o.val_fraction:g} of each file"
+        else:
+            if len(docs) < 2:
+                raise LlmkitError(
+                    f"data.source: split='file' needs at least 2 files, got {len(docs)}; "
+                    "use split='tail' or give val_paths"
+                )
+            is_val = split_by_hash([p for p, _ in docs], seed, o.val_fraction)
+            train = [d for d, v in zip(docs, is_val) if not v]
+            val = [d for d, v in zip(docs, is_val) if v]
+            how = "by file"
+        train = [d for d in train if d[1]]
+        val = [d for d in val if d[1]]
+        if not train:
+            names = ", ".join(str(p) for p in train_files[:3])
+            raise LlmkitError(f"data.source: no text in the training files ({names})")
+        if not val:
+            raise LlmkitError(
+                "data.source: the validation split has no text (empty files, or too little "
+                "text for val_fraction)"
+            )
+        size = {k: sum(len(t.encode("utf-8")) for _, t in v) for k, v in (("t", train), ("v", val))}
+        n_files = len(train_files) + len(val_files or [])
+        self._summary = (
+            f"text: {n_files} file(s), {how}: {len(train)} train docs ({human_bytes(size['t'])}), "
+            f"{len(val)} validation docs ({human_bytes(size['v'])})"
+        )
+        return dataset_dict(_to_dataset(train), _to_dataset(val))
+
+    def describe(self) -> str:
+        return self._summary or f"text: {', '.join(self.options.paths)}"
+
+
+def _to_dataset(docs: list[tuple[str, str]]) -> datasets.Dataset:
+    return text_dataset({"text": [t for _, t in docs], "path": [p for p, _ in docs]})

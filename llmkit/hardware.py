@@ -1,0 +1,99 @@
+"""Device and precision choice, and the hardware peak used for MFU."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any
+
+import torch
+
+from llmkit.errors import LlmkitError
+
+# Dense bf16 tensor-core peaks (FLOP/s) from the vendors' data sheets.
+GPU_PEAKS = {
+    "H200": 989e12,
+    "H100": 989e12,
+    "A100": 312e12,
+    "L40S": 362e12,
+    "A10": 125e12,
+    "4090": 165e12,
+    "L4": 121e12,
+}
+
+
+def choose_device(requested: str = "auto") -> torch.device:
+    """``auto`` picks cuda, then mps, then cpu; otherwise the named device, checked."""
+    if requested == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if getattr(torch.backends, "mps", None) and torch.backends.mps.is_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    try:
+        device = torch.device(requested)
+    except RuntimeError as exc:
+        raise LlmkitError(f"train.device: unknown device {requested!r}") from exc
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise LlmkitError("train.device: cuda was asked for but no CUDA GPU is available")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise LlmkitError("train.device: mps was asked for but is not available")
+    return device
+
+
+def cpu_has_fast_bf16() -> bool:
+    """Whether this CPU has native bf16 matrix instructions (AVX512-BF16 or AMX)."""
+    cpu = torch.cpu
+    checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return any(bool(getattr(cpu, name, lambda: False)()) for name in checks)
+
+
+def choose_precision(requested: str, device: torch.device) -> str:
+    """Resolve ``auto``: bf16 where the hardware runs it fast, else fp32. Never fp16 on CPU."""
+    if requested == "auto":
+        if device.type == "cuda":
+            return "bf16" if torch.cuda.is_bf16_supported() else "fp32"
+        if device.type == "cpu":
+            return "bf16" if cpu_has_fast_bf16() else "fp32"
+        return "fp32"
+    if requested == "fp16" and device.type != "cuda":
+        raise LlmkitError(
+            f"train.precision: fp16 needs a CUDA GPU (on {device.type} use bf16 or fp32)"
+        )
+    return requested
+
+
+def autocast(device: torch.device, precision: str) -> Any:
+    """The autocast context for a precision (a no-op for fp32)."""
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def peak_flops(device: torch.device, precision: str) -> float | None:
+    """Peak FLOP/s: the data-sheet figure for known GPUs; measured matmul speed on CPU."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, peak in GPU_PEAKS.items():
+            if key in name:
+                return peak if precision != "fp32" else None
+        return None
+    if device.type == "cpu":
+        return measure_matmul_flops(torch.bfloat16 if precision == "bf16" else torch.float32)
+    return None
+
+
+def measure_matmul_flops(dtype: torch.dtype, n: int = 512, seconds: float = 0.2) -> float:
+    """Best observed FLOP/s of an n×n matmul on CPU over about ``seconds``."""
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    a @ b  # warm-up
+    best = 0.0
+    deadline = time.perf_counter() + seconds
+    while True:
+        t0 = time.perf_counter()
+        a @ b
+        dt = time.perf_counter() - t0
+        best = max(best, 2 * n**3 / dt)
+        if time.perf_counter() > deadline:
+            return best

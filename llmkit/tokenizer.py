@@ -1,0 +1,260 @@
+"""Tokenizers: byte-level BPE or one token per character, both Hugging Face ``tokenizers``
+objects saved as a single ``tokenizer.json``.
+
+* :func:`train_bpe` — GPT-2-style byte-level BPE: every byte is in the initial alphabet, so
+  any text (non-ASCII, emoji, tabs, leading spaces) round-trips exactly.
+* :func:`train_char` — one id per character seen in the corpus, sorted, so the ids match
+  nanoGPT's ``stoi`` (special tokens come after the characters; ``<unk>`` last).
+* :func:`build_tokenizer` — what a run does: use a given file, reuse the run's file, or train.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
+
+from llmkit.errors import LlmkitError
+
+if TYPE_CHECKING:
+    import tokenizers
+
+    from llmkit.spec import TokenizerSpec
+
+Kind = Literal["bpe", "char", "pretrained"]
+UNK = "<unk>"
+#: The smallest byte-level BPE vocabulary: one token per byte.
+N_BYTES = 256
+
+
+class Tokenizer:
+    """A thin wrapper over a ``tokenizers.Tokenizer`` with the few calls llmkit needs.
+
+    ``encode`` never adds special tokens (no BOS/CLS post-processing) and ``decode`` keeps
+    them by default, so ``decode(encode(x)) == x`` for any text the tokenizer can represent.
+    """
+
+    def __init__(
+        self, tok: tokenizers.Tokenizer, kind: Kind | None = None, eos_token: str | None = None
+    ) -> None:
+        self.tok = tok
+        self.kind: Kind = kind or _infer_kind(tok)
+        self._eos_token = eos_token
+
+    # -- encoding ----------------------------------------------------------------------
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text``."""
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        """Token ids of each text (in parallel, on the Rust side)."""
+        fast = getattr(self.tok, "encode_batch_fast", None)  # no offsets: cheaper
+        encs = (fast or self.tok.encode_batch)(list(texts), add_special_tokens=False)
+        return [e.ids for e in encs]
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
+        """The text of ``ids``."""
+        return self.tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    # -- vocabulary --------------------------------------------------------------------
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids, special tokens included."""
+        return self.tok.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def special_tokens(self) -> dict[str, int]:
+        """Special tokens and their ids, in id order."""
+        added = self.tok.get_added_tokens_decoder()
+        return {t.content: i for i, t in sorted(added.items()) if t.special}
+
+    @property
+    def eos_id(self) -> int | None:
+        """The document separator: ``eos_token`` if given and known, else the special token
+        with the lowest id (the first of the spec's ``special_tokens``), else None."""
+        if self._eos_token is not None:
+            i = self.tok.token_to_id(self._eos_token)
+            if i is not None:
+                return i
+        specials = self.special_tokens
+        return next(iter(specials.values()), None)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.tok.token_to_id(token)
+
+    # -- files -------------------------------------------------------------------------
+
+    def to_str(self) -> str:
+        """The tokenizer.json content."""
+        return self.tok.to_str()
+
+    def save(self, path: str | Path) -> None:
+        """Write tokenizer.json atomically (a temp file, then a rename)."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(self.to_str(), encoding="utf-8")
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(
+        cls, path: str | Path, kind: Kind | None = None, eos_token: str | None = None
+    ) -> Tokenizer:
+        """Read a tokenizer.json (or a directory holding one)."""
+        from tokenizers import Tokenizer as HFTokenizer
+
+        p = Path(path).expanduser()
+        if p.is_dir() and (p / "tokenizer.json").is_file():
+            p = p / "tokenizer.json"
+        if not p.is_file():
+            raise LlmkitError(f"tokenizer file not found: {p}")
+        try:
+            tok = HFTokenizer.from_file(str(p))
+        except Exception as exc:
+            first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise LlmkitError(f"{p}: not a valid tokenizer.json ({first})") from exc
+        return cls(tok, kind, eos_token)
+
+    def __repr__(self) -> str:
+        return f"Tokenizer(kind={self.kind!r}, vocab_size={self.vocab_size}, eos_id={self.eos_id})"
+
+
+def _infer_kind(tok: tokenizers.Tokenizer) -> Kind:
+    data = json.loads(tok.to_str())
+    model = (data.get("model") or {}).get("type")
+    decoder = (data.get("decoder") or {}).get("type")
+    if model == "WordLevel" and decoder == "Fuse":
+        return "char"
+    if model == "BPE" and decoder == "ByteLevel":
+        return "bpe"
+    return "pretrained"
+
+
+# -- training -------------------------------------------------------------------------------
+
+
+def train_bpe(
+    texts: Iterable[str],
+    vocab_size: int,
+    special_tokens: Sequence[str] = ("<|endoftext|>",),
+    min_frequency: int = 2,
+) -> Tokenizer:
+    """Byte-level BPE (GPT-2 pre-tokenization, no prefix space).
+
+    Special tokens get ids ``0..len(special_tokens)-1``; the vocabulary holds at most
+    ``vocab_size`` ids (fewer if the corpus runs out of pairs to merge).
+    """
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    specials = _dedupe(special_tokens)
+    least = N_BYTES + len(specials)
+    if vocab_size < least:
+        raise LlmkitError(
+            f"tokenizer.vocab_size {vocab_size} is too small for byte-level BPE: it needs at "
+            f"least {least} (256 bytes + {len(specials)} special tokens)"
+        )
+    tok = HFTokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=min_frequency,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_nonempty(texts), trainer=trainer)
+    return Tokenizer(tok, "bpe", specials[0] if specials else None)
+
+
+def train_char(
+    texts: Iterable[str], special_tokens: Sequence[str] = ("<|endoftext|>",)
+) -> Tokenizer:
+    """One token per distinct character, ids in sorted character order; then the special
+    tokens; then ``<unk>``, which unknown characters map to."""
+    from tokenizers import Regex, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer as HFTokenizer
+
+    chars: set[str] = set()
+    for text in texts:
+        chars.update(text)
+    if not chars:
+        raise LlmkitError("cannot train a char tokenizer: the corpus has no text")
+    specials = [t for t in _dedupe(special_tokens) if t not in chars]
+    vocab = {c: i for i, c in enumerate(sorted(chars))}
+    for t in [*specials, UNK]:
+        vocab.setdefault(t, len(vocab))
+    tok = HFTokenizer(models.WordLevel(vocab, unk_token=UNK))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    if specials:
+        tok.add_special_tokens(specials)
+    return Tokenizer(tok, "char", specials[0] if specials else None)
+
+
+def build_tokenizer(
+    spec: TokenizerSpec,
+    texts: Callable[[], Iterable[str]],
+    out_path: str | Path,
+    default_vocab: int,
+    *,
+    log: Callable[[str], None] | None = None,
+) -> Tokenizer:
+    """The run's tokenizer: ``spec.path`` if given; else ``out_path`` if it exists (a resumed
+    run); else trained on at most ``spec.train_bytes`` of ``texts()`` and saved to
+    ``out_path``."""
+    say = log or (lambda _msg: None)
+    eos = spec.special_tokens[0] if spec.special_tokens else None
+    if spec.path:
+        tok = Tokenizer.load(spec.path, "pretrained", eos)
+        say(f"tokenizer: {spec.path} ({tok.vocab_size} tokens)")
+        return tok
+    out = Path(out_path)
+    if out.exists():
+        tok = Tokenizer.load(out, None, eos)
+        if tok.kind != spec.kind:
+            raise LlmkitError(
+                f"{out} holds a {tok.kind} tokenizer but tokenizer.kind is {spec.kind!r}; "
+                "use a new run directory or delete the file"
+            )
+        say(f"tokenizer: reusing {out} ({tok.vocab_size} tokens)")
+        return tok
+    sample = take_bytes(texts(), spec.train_bytes)
+    if spec.kind == "char":
+        tok = train_char(sample, spec.special_tokens)
+    else:
+        vocab = spec.vocab_size or default_vocab
+        tok = train_bpe(sample, vocab, spec.special_tokens, spec.min_frequency)
+    tok.save(out)
+    say(f"tokenizer: trained {tok.kind}, {tok.vocab_size} tokens -> {out}")
+    return tok
+
+
+def take_bytes(texts: Iterable[str], limit: int | None) -> Iterator[str]:
+    """``texts`` up to ``limit`` UTF-8 bytes in all (the last one cut short), or all."""
+    if limit is None:
+        yield from texts
+        return
+    left = limit
+    for text in texts:
+        n = len(text.encode("utf-8"))
+        if n >= left:
+            yield text.encode("utf-8")[:left].decode("utf-8", errors="ignore")
+            return
+        left -= n
+        yield text
+
+
+def _dedupe(items: Iterable[str]) -> list[str]:
+    return list(dict.fromkeys(items))
+
+
+def _nonempty(texts: Iterable[str]) -> Iterator[str]:
+    for text in texts:
+        if text:
+            yield text

@@ -1,0 +1,475 @@
+"""The Trainer. It knows no concrete component: the model, optimizer, schedule and data
+source all come from the resolved spec, and every auxiliary loss or metric a component
+reports arrives through the model output's generic side channel."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from llmkit import hardware
+from llmkit.checkpoint import Checkpoints, load_state, load_weights, rng_state, set_rng_state
+from llmkit.errors import LlmkitError
+from llmkit.optim import set_lr_factor
+from llmkit.run import METRICS_FILE, PLOT_FILE, SPEC_FILE, save_spec
+from llmkit.spec import ResolvedSpec, load_spec, load_spec_dict
+
+
+class NonFiniteLoss(LlmkitError):
+    """The loss or gradient became NaN/inf."""
+
+
+@dataclass
+class TrainResult:
+    run_dir: Path
+    step: int
+    tokens: int
+    seconds: float
+    stopped: str
+    val_loss: float | None = None
+    best_val_loss: float | None = None
+    history: list[dict[str, Any]] = field(default_factory=list)
+
+
+def _scalar(value: Any) -> float:
+    return float(value.detach().float().mean()) if isinstance(value, torch.Tensor) else float(value)
+
+
+class MetricsLog:
+    """``metrics.jsonl``: one JSON object per line."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def truncate_after(self, step: int) -> None:
+        """Drop lines past ``step`` (written after the checkpoint a run resumes from)."""
+        if not self.path.is_file():
+            return
+        keep = [line for line in self.read() if line.get("step", 0) <= step]
+        self.path.write_text("".join(json.dumps(line) + "\n" for line in keep))
+
+    def read(self) -> list[dict[str, Any]]:
+        if not self.path.is_file():
+            return []
+        return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+
+    def write(self, record: dict[str, Any]) -> None:
+        with self.path.open("a") as fh:
+            fh.write(json.dumps(record) + "\n")
+
+
+def plot_losses(records: list[dict[str, Any]], path: Path, title: str = "") -> None:
+    """The loss curve (train, and validation where evaluated) as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    train = [(r["step"], r["loss"]) for r in records if "loss" in r]
+    val = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
+    if train:
+        ax.plot(*zip(*train), label="train", linewidth=1)
+    if val:
+        ax.plot(*zip(*val), "o-", label="validation", markersize=3)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats/token)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    tmp = path.with_name(f".{path.name}.tmp.png")
+    fig.savefig(tmp)
+    plt.close(fig)
+    tmp.replace(path)
+
+
+class Trainer:
+    """Trains the model a resolved spec describes, writing everything into ``run_dir``."""
+
+    def __init__(
+        self,
+        rs: ResolvedSpec,
+        run_dir: Path,
+        *,
+        resume: bool = False,
+        max_time: float | None = None,
+        log: Callable[[str], None] = print,
+        progress: bool | None = None,
+    ) -> None:
+        self.rs = rs
+        self.run_dir = Path(run_dir)
+        self.resume = resume
+        self.t = rs.spec.train
+        self.max_time = max_time if max_time is not None else self.t.max_time
+        self.log = log
+        self.progress = progress
+        self._stop_signal: str | None = None
+
+    # -- set-up ------------------------------------------------------------------------------
+    def _setup(self) -> None:
+        from llmkit.data import BlockSampler, prepare_data
+        from llmkit.model import build_model
+
+        t = self.t
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        torch.manual_seed(t.seed)
+        self.device = hardware.choose_device(t.device)
+        self.precision = hardware.choose_precision(t.precision, self.device)
+        self.amp = lambda: hardware.autocast(self.device, self.precision)
+
+        data = prepare_data(self.rs, self.run_dir, log=self.log)
+        self.data, self.tokenizer = data, data.tokenizer
+        if self.tokenizer.vocab_size != self.rs.model.vocab_size:
+            self.log(
+                f"vocab_size {self.rs.model.vocab_size} -> {self.tokenizer.vocab_size} "
+                "(the tokenizer's)"
+            )
+            self.rs = load_spec_dict(self.rs.raw, [f"model.vocab_size={self.tokenizer.vocab_size}"])
+            self.rs.source = str(self.run_dir / SPEC_FILE)
+        if not self.resume:
+            save_spec(self.rs, self.run_dir)
+
+        self.block_size = self.rs.spec.data.block_size or self.rs.model.max_seq_len
+        if self.block_size > self.rs.model.max_seq_len:
+            raise LlmkitError(
+                f"data.block_size ({self.block_size}) exceeds model.max_seq_len "
+                f"({self.rs.model.max_seq_len})"
+            )
+        self.sampler = BlockSampler(data.train, self.block_size, seed=t.seed)
+
+        torch.manual_seed(t.seed)
+        self.model = build_model(self.rs).to(self.device)
+        self.model.activation_checkpointing = t.activation_checkpointing
+        self.forward = torch.compile(self.model) if t.compile else self.model
+        opt = self.rs.optimizer
+        self.optimizer = opt.build(self.model, opt.options)
+        sched = self.rs.schedule
+        try:
+            self.lr_factor = sched.build(sched.options, total_steps=t.max_steps)
+        except ValueError as exc:
+            raise LlmkitError(f"schedule {sched.name!r}: {exc}") from exc
+        self.scaler = torch.amp.GradScaler("cuda") if self.precision == "fp16" else None
+        self.checkpoints = Checkpoints(self.run_dir)
+        self.metrics = MetricsLog(self.run_dir / METRICS_FILE)
+
+        self.step = 0
+        self.tokens = 0
+        self.elapsed = 0.0
+        self.best_val: float | None = None
+        self.bad_evals = 0
+        if self.resume:
+            self._restore()
+        self.flops_per_token = self.model.flops_per_token(self.block_size)["train"]
+        self.peak = hardware.peak_flops(self.device, self.precision)
+
+    def _restore(self) -> None:
+        latest = self.checkpoints.latest()
+        if latest is None:
+            raise LlmkitError(f"{self.run_dir}: no checkpoint to resume from")
+        load_weights(self.model, latest / "model.safetensors")
+        state = load_state(latest)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.sampler.load_state_dict(state["data"])
+        self.step, self.tokens = int(state["step"]), int(state["tokens"])
+        self.elapsed = float(state["elapsed"])
+        self.best_val = state.get("best_val")
+        self.bad_evals = int(state.get("bad_evals", 0))
+        if self.scaler is not None and "scaler" in state:
+            self.scaler.load_state_dict(state["scaler"])
+        set_rng_state(state["rng"])
+        self.metrics.truncate_after(self.step)
+        self.log(f"resumed from {latest} at step {self.step}")
+
+    # -- the loop ----------------------------------------------------------------------------
+    def fit(self) -> TrainResult:
+        self._setup()
+        t = self.t
+        self._install_signals()
+        history = self.metrics.read()
+        total_params = self.model.num_params()
+        self.log(
+            f"model: {total_params:,} parameters, {len(self.model.layers)} layers; "
+            f"device {self.device}, precision {self.precision}; "
+            f"{len(self.data.train):,} train / {len(self.data.validation):,} val tokens"
+        )
+        ckpt_every = t.checkpoint_interval or t.eval_interval
+        stopped = "max_steps"
+        last_val: float | None = None
+        start_wall = time.perf_counter() - self.elapsed
+        interval_t0, interval_tokens = time.perf_counter(), 0
+        bar = self._progress_bar()
+        try:
+            while self.step < t.max_steps:
+                record = self._train_step()
+                if record is None:  # skipped a non-finite step
+                    continue
+                self.step += 1
+                step_tokens = t.batch_size * t.grad_accum * self.block_size
+                self.tokens += step_tokens
+                interval_tokens += step_tokens
+                self.elapsed = time.perf_counter() - start_wall
+                if self.step % t.log_interval == 0 or self.step == t.max_steps:
+                    now = time.perf_counter()
+                    tps = interval_tokens / max(now - interval_t0, 1e-9)
+                    interval_t0, interval_tokens = now, 0
+                    record.update(
+                        tokens=self.tokens,
+                        tokens_per_s=round(tps, 1),
+                        elapsed=round(self.elapsed, 3),
+                    )
+                    if self.peak:
+                        record["mfu"] = round(self.flops_per_token * tps / self.peak, 4)
+                    self.metrics.write(record)
+                    history.append(record)
+                    self._show(bar, record)
+                out_of_time = self.max_time is not None and self.elapsed >= self.max_time
+                final = self.step == t.max_steps or out_of_time or self._stop_signal
+                if self.step % t.eval_interval == 0 or final:
+                    last_val = self._evaluate(history)
+                    if self._early_stop():
+                        stopped = "early_stopping"
+                        final = True
+                if self.step % ckpt_every == 0 or final or self.step % t.eval_interval == 0:
+                    self._save(best=last_val is not None and last_val == self.best_val)
+                    plot_losses(history, self.run_dir / PLOT_FILE, self.rs.spec.name or "")
+                if out_of_time:
+                    stopped = "max_time"
+                if self._stop_signal:
+                    stopped = self._stop_signal
+                if final:
+                    break
+        finally:
+            self._close(bar)
+        self._finish(history)
+        return TrainResult(
+            self.run_dir,
+            self.step,
+            self.tokens,
+            self.elapsed,
+            stopped,
+            last_val,
+            self.best_val,
+            history,
+        )
+
+    def _train_step(self) -> dict[str, Any] | None:
+        t = self.t
+        set_lr_factor(self.optimizer, self.lr_factor(self.step))
+        self.model.train()
+        loss_sum = torch.zeros((), device=self.device)
+        aux_sums: dict[str, float] = {}
+        metrics: dict[str, float] = {}
+        for _ in range(t.grad_accum):
+            x, y = self.sampler.next_batch(t.batch_size)
+            x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+            with self.amp():
+                out = self.forward(x, y)
+                loss = out.total_loss / t.grad_accum
+            if self.scaler is not None:
+                self.scaler.scale(loss).backward()
+            else:
+                loss.backward()
+            loss_sum += out.loss.detach() / t.grad_accum
+            for k, v in out.aux_losses.items():
+                aux_sums[k] = aux_sums.get(k, 0.0) + _scalar(v) / t.grad_accum
+            metrics.update({k: _scalar(v) for k, v in out.metrics.items()})
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
+        clip = t.grad_clip if t.grad_clip is not None else math.inf
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
+        loss_value = float(loss_sum)
+        finite = math.isfinite(loss_value) and bool(torch.isfinite(grad_norm))
+        if not finite and self.scaler is None:
+            self.optimizer.zero_grad(set_to_none=True)
+            return self._non_finite(loss_value, float(grad_norm))
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self._skipped = 0
+        record: dict[str, Any] = {
+            "step": self.step + 1,
+            "loss": round(loss_value, 6),
+            "lr": self.optimizer.param_groups[0]["lr"],
+            "grad_norm": round(float(grad_norm), 6),
+        }
+        record.update({f"aux/{k}": round(v, 6) for k, v in aux_sums.items()})
+        record.update({f"metric/{k}": round(v, 6) for k, v in metrics.items()})
+        return record
+
+    _skipped = 0
+
+    def _non_finite(self, loss: float, grad_norm: float) -> None:
+        latest = self.checkpoints.latest()
+        where = f"last good checkpoint: {latest}" if latest else "no checkpoint was written yet"
+        what = f"non-finite {'loss' if not math.isfinite(loss) else 'gradient'}"
+        if self.t.on_nonfinite == "skip":
+            self._skipped += 1
+            self.log(f"step {self.step + 1}: {what} ({loss}), step skipped")
+            if self._skipped < 10:
+                return None
+            raise NonFiniteLoss(f"10 consecutive steps with a {what}; stopped ({where})")
+        raise NonFiniteLoss(
+            f"{what} at step {self.step + 1} (loss {loss}, grad norm {grad_norm}); stopped "
+            f"without saving ({where}); lower the lr or set train.on_nonfinite='skip'"
+        )
+
+    def _evaluate(self, history: list[dict[str, Any]]) -> float:
+        from llmkit.data import eval_batches
+        from llmkit.evaluate import evaluate_batches
+
+        t = self.t
+        batches = eval_batches(self.data.validation, self.block_size, t.batch_size, t.eval_batches)
+        res = evaluate_batches(self.model, batches, self.device, self.amp())
+        improved = self.best_val is None or res.loss < self.best_val
+        if improved:
+            self.best_val, self.bad_evals = res.loss, 0
+        else:
+            self.bad_evals += 1
+        record = {
+            "step": self.step,
+            "val_loss": round(res.loss, 6),
+            "val_ppl": round(res.ppl, 4),
+            "best_val_loss": round(self.best_val, 6),
+        }
+        self.metrics.write(record)
+        history.append(record)
+        self.log(
+            f"step {self.step}: val loss {res.loss:.4f}, ppl {res.ppl:.2f}"
+            f"{' (best)' if improved else ''}"
+        )
+        return res.loss
+
+    def _early_stop(self) -> bool:
+        patience = self.t.early_stopping_patience
+        return patience is not None and self.bad_evals >= patience
+
+    def _save(self, best: bool) -> None:
+        state = {
+            "optimizer": self.optimizer.state_dict(),
+            "data": self.sampler.state_dict(),
+            "rng": rng_state(),
+            "step": self.step,
+            "tokens": self.tokens,
+            "elapsed": self.elapsed,
+            "best_val": self.best_val,
+            "bad_evals": self.bad_evals,
+        }
+        if self.scaler is not None:
+            state["scaler"] = self.scaler.state_dict()
+        meta = {"tokens": self.tokens, "best_val_loss": self.best_val}
+        self.checkpoints.save(self.step, self.model, state, meta, best=best)
+
+    def _finish(self, history: list[dict[str, Any]]) -> None:
+        from llmkit.checkpoint import save_weights
+
+        save_weights(self.model, self.run_dir / "model.safetensors")
+        plot_losses(history, self.run_dir / PLOT_FILE, self.rs.spec.name or "")
+
+    # -- output ------------------------------------------------------------------------------
+    def _progress_bar(self) -> Any:
+        from rich.console import Console
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+            TimeRemainingColumn,
+        )
+
+        console = Console(stderr=True)
+        enabled = console.is_terminal if self.progress is None else self.progress
+        if not enabled:
+            return None
+        bar = Progress(
+            TextColumn("[bold]train"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[info]}"),
+            TimeElapsedColumn(),
+            TextColumn("ETA"),
+            TimeRemainingColumn(),
+            console=console,
+            transient=False,
+        )
+        bar.start()
+        bar.add_task("train", total=self.t.max_steps, completed=self.step, info="")
+        self.log = bar.console.print if self.log is print else self.log
+        return bar
+
+    def _show(self, bar: Any, record: dict[str, Any]) -> None:
+        info = f"loss {record['loss']:.4f} lr {record['lr']:.2e} {record['tokens_per_s']:.0f} tok/s"
+        if "mfu" in record:
+            info += f" mfu {100 * record['mfu']:.1f}%"
+        if bar is None:
+            self.log(f"step {record['step']}/{self.t.max_steps}: {info}")
+        else:
+            bar.update(0, completed=record["step"], info=info)
+
+    def _close(self, bar: Any) -> None:
+        if bar is not None:
+            bar.stop()
+        self._restore_signals()
+
+    def _install_signals(self) -> None:
+        self._old_handlers = {}
+
+        def handler(signum: int, _frame: Any) -> None:
+            self._stop_signal = signal.Signals(signum).name
+            self.log(f"{self._stop_signal}: stopping after this step and saving a checkpoint")
+
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(ValueError):  # not the main thread
+                self._old_handlers[sig] = signal.signal(sig, handler)
+
+    def _restore_signals(self) -> None:
+        for sig, old in getattr(self, "_old_handlers", {}).items():
+            signal.signal(sig, old)
+
+
+def train(
+    spec_path: str | Path | None = None,
+    *,
+    run_dir: str | Path | None = None,
+    overrides: list[str] | None = None,
+    resume: bool = False,
+    max_time: float | None = None,
+    log: Callable[[str], None] = print,
+    progress: bool | None = None,
+) -> TrainResult:
+    """Train from a spec file, or resume the run in ``run_dir``."""
+    from llmkit.run import default_run_dir
+
+    if resume:
+        if run_dir is None:
+            raise LlmkitError("--resume needs the run directory")
+        rd = Path(run_dir)
+        if not (rd / SPEC_FILE).is_file():
+            raise LlmkitError(f"{rd} is not a run directory (no {SPEC_FILE})")
+        rs = load_spec(rd / SPEC_FILE, overrides or [])
+        if overrides:
+            save_spec(rs, rd)
+    else:
+        if spec_path is None:
+            raise LlmkitError("a spec file is required (or --resume RUN_DIR)")
+        rs = load_spec(spec_path, overrides or [])
+        rd = Path(run_dir) if run_dir else default_run_dir(rs)
+        if (rd / "checkpoints").exists():
+            raise LlmkitError(
+                f"{rd} already holds a run; resume it with --resume {rd} or choose another --out"
+            )
+    trainer = Trainer(rs, rd, resume=resume, max_time=max_time, log=log, progress=progress)
+    return trainer.fit()

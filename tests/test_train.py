@@ -1,0 +1,182 @@
+"""The trainer end to end on a tiny corpus: metrics, checkpoints, resume, failures."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from llmkit.checkpoint import Checkpoints
+from llmkit.errors import LlmkitError
+from llmkit.train import train
+from tests.conftest import ROOT
+
+CORPUS = (
+    "First Citizen:\nBefore we proceed any further, hear me speak.\n\n"
+    "All:\nSpeak, speak.\n\nFirst Citizen:\nYou are all resolved rather to die than to "
+    "famish?\n\nAll:\nResolved. resolved.\n\n"
+) * 60
+
+
+def write_spec(tmp_path: Path, **train) -> Path:
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(CORPUS)
+    spec = {
+        "name": "unit",
+        "model": {
+            "vocab_size": 64, "d_model": 32, "n_layers": 2, "n_heads": 2, "max_seq_len": 32,
+            "dropout": 0.1, "position": {"name": "rope"},
+        },
+        "tokenizer": {"kind": "char"},
+        "data": {"source": {"name": "text", "paths": [str(corpus)], "val_fraction": 0.1}},
+        "optimizer": {"name": "adamw", "lr": 3e-3},
+        "schedule": {"name": "cosine", "warmup_steps": 5},
+        "train": {
+            "batch_size": 4, "max_steps": 20, "eval_interval": 10, "eval_batches": 2,
+            "log_interval": 1, "precision": "fp32", "sample_tokens": 0, **train,
+        },
+    }
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+def read_metrics(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_training_writes_the_run_directory(tmp_path):
+    run = tmp_path / "run"
+    result = train(write_spec(tmp_path), run_dir=run, log=lambda _m: None, progress=False)
+    assert result.step == 20 and result.stopped == "max_steps"
+    for name in ("spec.yaml", "resolved.json", "tokenizer.json", "metrics.jsonl",
+                 "model.safetensors", "loss.png"):
+        assert (run / name).is_file(), name
+    lines = read_metrics(run)
+    train_lines = [m for m in lines if "loss" in m]
+    assert [m["step"] for m in train_lines] == list(range(1, 21))
+    for key in ("lr", "grad_norm", "tokens_per_s", "tokens"):
+        assert key in train_lines[-1]
+    evals = [m for m in lines if "val_loss" in m]
+    assert [m["step"] for m in evals] == [10, 20]
+    assert evals[-1]["val_ppl"] == pytest.approx(torch.tensor(evals[-1]["val_loss"]).exp(),
+                                                 rel=1e-3)
+    assert train_lines[-1]["loss"] < train_lines[0]["loss"]  # it learns
+    resolved = json.loads((run / "resolved.json").read_text())
+    assert len(resolved["model"]["layers"]) == 2
+    assert Checkpoints(run).latest().name == "step-000020"
+
+
+def test_refuses_to_overwrite_a_run(tmp_path):
+    run = tmp_path / "run"
+    spec = write_spec(tmp_path, max_steps=2, eval_interval=2)
+    train(spec, run_dir=run, log=lambda _m: None, progress=False)
+    with pytest.raises(LlmkitError, match="already holds a run"):
+        train(spec, run_dir=run, log=lambda _m: None, progress=False)
+
+
+def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
+    run = tmp_path / "run"
+    spec = write_spec(tmp_path, max_steps=4, eval_interval=2)
+    train(spec, run_dir=run, log=lambda _m: None, progress=False)
+    before = (run / "checkpoints" / "latest.json").read_text()
+    weights = (Checkpoints(run).latest() / "model.safetensors").read_bytes()
+    with pytest.raises(LlmkitError, match="non-finite loss at step 5"):
+        train(run_dir=run, resume=True, overrides=["train.max_steps=8", "optimizer.lr=1e30"],
+              log=lambda _m: None, progress=False)
+    assert (run / "checkpoints" / "latest.json").read_text() == before
+    assert (Checkpoints(run).latest() / "model.safetensors").read_bytes() == weights
+
+
+def test_a_crash_during_a_save_leaves_latest_intact(tmp_path, monkeypatch):
+    run = tmp_path / "run"
+    train(write_spec(tmp_path, max_steps=2, eval_interval=2), run_dir=run,
+          log=lambda _m: None, progress=False)
+    ckpts = Checkpoints(run)
+    good = ckpts.latest()
+
+    def boom(*_a, **_k):
+        raise OSError("disk full")
+
+    monkeypatch.setattr("llmkit.checkpoint.torch.save", boom)
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(OSError):
+        ckpts.save(3, model, {}, {})
+    assert ckpts.latest() == good and (good / "state.pt").is_file()
+
+
+def _cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "llmkit.cli", *args]
+
+
+def test_resume_after_a_kill_reproduces_the_uninterrupted_losses(tmp_path):
+    env = {**os.environ, "LLMKIT_PLUGINS": ""}
+    spec = write_spec(tmp_path, max_steps=240, eval_interval=40, checkpoint_interval=20,
+                      batch_size=8)
+    common = ["--no-sample", "--no-progress"]
+    full = tmp_path / "full"
+    subprocess.run(_cli("train", str(spec), "--out", str(full), *common), check=True,
+                   env=env, cwd=ROOT, capture_output=True, timeout=600)
+
+    run = tmp_path / "killed"
+    proc = subprocess.Popen(_cli("train", str(spec), "--out", str(run), *common), env=env,
+                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    pointer = run / "checkpoints" / "latest.json"
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        if pointer.is_file() and json.loads(pointer.read_text())["step"] >= 60:
+            break
+        assert proc.poll() is None, "training ended before it could be killed"
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    killed_at = json.loads(pointer.read_text())["step"]
+    assert killed_at < 240
+    subprocess.run(_cli("train", "--resume", str(run), *common), check=True, env=env,
+                   cwd=ROOT, capture_output=True, timeout=600)
+
+    def losses(path):
+        return [(m["step"], m["loss"]) for m in read_metrics(path) if "loss" in m]
+
+    def vals(path):
+        return [(m["step"], m["val_loss"]) for m in read_metrics(path) if "val_loss" in m]
+
+    assert losses(run) == losses(full)
+    assert vals(run) == vals(full)
+    assert len(losses(full)) == 240
+
+
+def test_cli_eval_and_generate(tmp_path):
+    env = {**os.environ, "LLMKIT_PLUGINS": ""}
+    run = tmp_path / "run"
+    spec = write_spec(tmp_path, max_steps=30, eval_interval=30, sample_tokens=20)
+    proc = subprocess.run(_cli("train", str(spec), "--out", str(run), "--no-progress"),
+                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    assert "sample" in proc.stdout and "done: 30 steps" in proc.stdout
+    proc = subprocess.run(_cli("eval", str(run), "--json"), env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    assert "perplexity" in proc.stdout and "bits/byte" in proc.stdout
+    other = tmp_path / "other.txt"
+    other.write_text("Speak, speak. All resolved.\n")
+    proc = subprocess.run(_cli("eval", str(run), "--data", str(other)), env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and "bits/byte" in proc.stdout, proc.stderr
+    proc = subprocess.run(
+        _cli("generate", str(run), "--prompt", "First", "--max-new-tokens", "15", "--seed", "1"),
+        env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("First") and len(proc.stdout) > len("First")
+    proc = subprocess.run(_cli("eval", str(tmp_path / "nope")), env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 2 and "run not found" in proc.stderr
+    assert "Traceback" not in proc.stderr
