@@ -22,8 +22,14 @@ def _records(kind):
 
 
 def _ctx(d_model: int, heads: int, head_dim: int, seq: int) -> BuildContext:
-    return BuildContext(d_model=d_model, n_heads=heads, n_kv_heads=heads, head_dim=head_dim,
-                        max_seq_len=seq, n_layers=1)
+    return BuildContext(
+        d_model=d_model,
+        n_heads=heads,
+        n_kv_heads=heads,
+        head_dim=head_dim,
+        max_seq_len=seq,
+        n_layers=1,
+    )
 
 
 @pytest.mark.parametrize("seq", SEQ)

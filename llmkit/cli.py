@@ -386,9 +386,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
         from llmkit.data import prepare_data
 
         data = prepare_data(run.spec, run.run_dir, run.tokenizer, log=lambda _m: None)
-        tokens = torch.from_numpy(data.validation.array().astype("int64"))
+        tokens = torch.from_numpy(data.validation.array.astype("int64"))
         res = evaluate_batches(run.model, full_text_batches(tokens, block, args.batch_size), device)
-        res.text_bytes = data.validation.text_bytes
+        res.text_bytes = data.validation.n_bytes_text
         source = "validation split"
     con = _console()
     con.print(f"{run.weights} on {source}: {res.tokens:,} tokens", markup=False)

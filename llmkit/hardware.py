@@ -86,7 +86,9 @@ def peak_flops(device: torch.device, precision: str) -> float | None:
 
 def measure_matmul_flops(dtype: torch.dtype, n: int = 512, seconds: float = 0.2) -> float:
     """Best observed FLOP/s of an n×n matmul on CPU over about ``seconds``."""
-    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    gen = torch.Generator().manual_seed(0)  # leaves the global RNG (dropout, data) alone
+    a = torch.randn(n, n, generator=gen).to(dtype)
+    b = torch.randn(n, n, generator=gen).to(dtype)
     a @ b  # warm-up
     best = 0.0
     deadline = time.perf_counter() + seconds

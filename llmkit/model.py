@@ -206,9 +206,13 @@ class Transformer(nn.Module):
         m = self.config
         std = m.init_std
         residual_std = std / math.sqrt(2 * m.n_layers) if m.scaled_residual_init else std
+        self_init: list[str] = []  # modules that initialize themselves, and their children
         for name, mod in self.named_modules():
+            if any(name.startswith(f"{p}.") for p in self_init):
+                continue
             if mod is not self and hasattr(mod, "init_weights"):
                 mod.init_weights(std)
+                self_init.append(name)
             elif isinstance(mod, nn.Linear):
                 is_out = name.rsplit(".", 1)[-1] == "out_proj"
                 nn.init.normal_(mod.weight, 0.0, residual_std if is_out else std)

@@ -27,8 +27,11 @@ Per kind (see each ``check_*`` function for the details):
   step follows ``group["lr"]`` (which schedules set).
 - ``schedule``: warmup rises to a peak of 1.0, never negative, non-increasing over the last
   20% of steps, a pure function of the step.
-- any other kind (plugins may add kinds): the options model validates with defaults and the
-  target loads as a callable. Register a check for it in :data:`KIND_CHECKS`.
+- any other kind (plugins may add kinds): the options model validates its defaults (unless
+  it has required fields, e.g. a dataset's paths) and the target loads as a callable.
+  Register a check for it in :data:`KIND_CHECKS`.
+
+Every kind: the options model is pydantic and rejects unknown keys.
 
 :func:`check_model_combination` builds a tiny model from named parts through the spec loader
 and checks training and KV-cache decoding end to end.
@@ -67,6 +70,7 @@ __all__ = [
     "check_model_combination",
     "check_norm",
     "check_optimizer",
+    "check_options_model",
     "check_position",
     "check_schedule",
     "conformance_params",
@@ -162,12 +166,16 @@ def _load(record: Record) -> Any:
     return target
 
 
-def build_options(record: Record, options: Options = None) -> Any:
-    """The component's options instance, validated from ``options`` (default: all defaults)."""
+def _options_model(record: Record) -> Any:
     try:
-        model = record.options_model()
+        return record.options_model()
     except Exception as exc:
         _fail(record, f"its options model failed to load: {type(exc).__name__}: {exc}")
+
+
+def build_options(record: Record, options: Options = None) -> Any:
+    """The component's options instance, validated from ``options`` (default: all defaults)."""
+    model = _options_model(record)
     try:
         return model.model_validate(dict(options or {}))
     except Exception as exc:
@@ -407,7 +415,7 @@ def check_attention(
         _attention_causality(record, kernel, q, k, v, out, gen, dev)
         _attention_alignment(record, kernel, q, k, v, out)
         if window is not None:
-            _attention_window(record, kernel, window, exact, tol, gen, dev, H, hkv, D)
+            _attention_window(record, kernel, window, exact, tol, sites, gen, dev, H, hkv, D)
         _attention_gqa(record, options, gqa, exact, tol, sites, dev, q, gen)
         if "score_bias" in sites:
             _attention_bias(record, kernel, q, k, v, out, window, exact, tol, gen, dev)
@@ -433,6 +441,61 @@ def check_attention(
             _check_input_grad(record, t, name, "backward through the kernel")
     _check_grads(record, module, "backward through the kernel")
     module.eval()
+    _attention_backward(record, kernel, q, k, v, window, exact, tol, caps, sites, gen, dev)
+
+
+def _grads(kernel: _Kernel, q, k, v, weights, rows: slice | None = None, **kw: Any):
+    qg, kg, vg = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+    out = kernel(qg, kg, vg, what=f"backward{' ' + str(kw) if kw else ''}", **kw)
+    if rows is not None:
+        out, weights = out[:, :, rows], weights[:, :, rows]
+    (out * weights).sum().backward()
+    return qg.grad, kg.grad, vg.grad
+
+
+def _attention_backward(record, kernel, q, k, v, window, exact, tol, caps, sites, gen, dev):
+    """Gradients match the reference's, are causal, and are deterministic (on CPU)."""
+    T = q.shape[2]
+    weights = _randn(gen, *q.shape, device=dev)
+    calls: list[dict[str, Any]] = [{}]
+    if not caps.get("causal_only"):
+        calls.append({"causal": False})
+    if "score_bias" in sites:
+        calls.append({"bias": DistanceBias(torch.tensor(_SLOPES, device=dev))})
+    for kw in calls:
+        tag = f" ({kw})" if kw else ""
+        got = _grads(kernel, q, k, v, weights, **kw)
+        if exact:
+            qr, kr, vr = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+            w = window if kw.get("causal", True) else None
+            (reference_attention(qr, kr, vr, window=w, **kw) * weights).sum().backward()
+            for name, a, b in zip("qkv", got, (qr.grad, kr.grad, vr.grad)):
+                _expect(
+                    _close(a, b, 5 * tol, 5 * tol),
+                    record,
+                    f"the gradient of {name}{tag} differs from reference_attention's by "
+                    f"{_maxdiff(a, b):.2e}",
+                )
+        if dev.type == "cpu":
+            again = _grads(kernel, q, k, v, weights, **kw)
+            for name, a, b in zip("qkv", got, again):
+                _expect(
+                    torch.equal(a, b),
+                    record,
+                    f"two identical backward passes{tag} gave different gradients of {name}",
+                )
+    s = T // 2
+    for kw in calls:
+        if kw.get("causal") is False:
+            continue
+        _, gk, gv = _grads(kernel, q, k, v, weights, rows=slice(0, s + 1), **kw)
+        leak = max(gk[:, :, s + 1 :].abs().max().item(), gv[:, :, s + 1 :].abs().max().item())
+        _expect(
+            leak <= 1e-7,
+            record,
+            f"backward is not causal{f' ({kw})' if kw else ''}: outputs at positions ≤ {s} "
+            f"send gradient {leak:.2e} to keys/values after {s}",
+        )
 
 
 def _split_points(t: int) -> list[int]:
@@ -490,7 +553,7 @@ def _attention_alignment(record, kernel, q, k, v, out) -> None:
     )
 
 
-def _attention_window(record, kernel, window, exact, tol, gen, dev, H, hkv, D) -> None:
+def _attention_window(record, kernel, window, exact, tol, sites, gen, dev, H, hkv, D) -> None:
     """A kernel declaring ``cache_window`` W may only read the last W keys of each query."""
     tw = window + 5
     if tw > 1024:
@@ -517,16 +580,24 @@ def _attention_window(record, kernel, window, exact, tol, gen, dev, H, hkv, D) -
         f"cache_window is {window}, but the output at position {t} changed when keys at "
         f"positions < {t - window + 1} changed: a KV cache keeping {window} keys would be wrong",
     )
-    for tq in (1, 2):
-        n = window + tq - 1
-        part = kernel(q[:, :, -tq:], k[:, :, -n:], v[:, :, -n:], what=f"cache view of {n} keys")
-        _expect(
-            _close(part, out[:, :, -tq:], 1e-5, 1e-5),
-            record,
-            f"the last {tq} queries over only the last {n} keys (what a KV cache of "
-            f"cache_window {window} holds) differ from the full output by "
-            f"{_maxdiff(part, out[:, :, -tq:]):.2e}",
-        )
+    calls: list[dict[str, Any]] = [{}]
+    if "score_bias" in sites:
+        calls.append({"bias": DistanceBias(torch.tensor(_SLOPES, device=dev))})
+    for kw in calls:
+        full = out if not kw else kernel(q, k, v, what="windowed, with a bias", **kw)
+        tag = " with a bias" if kw else ""
+        for tq in (1, 2):
+            n = window + tq - 1
+            part = kernel(
+                q[:, :, -tq:], k[:, :, -n:], v[:, :, -n:], what=f"cache view of {n} keys{tag}", **kw
+            )
+            _expect(
+                _close(part, full[:, :, -tq:], 1e-5, 1e-5),
+                record,
+                f"the last {tq} queries over only the last {n} keys{tag} (what a KV cache of "
+                f"cache_window {window} holds) differ from the full output by "
+                f"{_maxdiff(part, full[:, :, -tq:]):.2e}",
+            )
 
 
 def _attention_gqa(record, options, gqa, exact, tol, sites, dev, q, gen) -> None:
@@ -880,12 +951,12 @@ def check_position(
         if "embedding" in acts:
             same = x[:, :1].expand(B, T, C).contiguous()
             es = embed(same, pos, "one token at every position")
-            if _maxdiff(es[:, 1:], es[:, :1].expand_as(es[:, 1:])) == 0 and any(
-                True for _ in module.parameters()
-            ):
+            constant = _maxdiff(es[:, 1:], es[:, :1].expand_as(es[:, 1:])) == 0
+            if constant and next(module.parameters(), None) is not None:
                 for p in module.parameters():  # e.g. a table initialized to zeros
                     p.add_(torch.randn(p.shape, generator=gen).to(p) * 0.02)
                 es = embed(same, pos, "one token at every position, parameters perturbed")
+                rq, rk = rotate(q, k, pos, "positions 0..T-1, parameters perturbed")
             _expect(
                 _maxdiff(es[:, 1:], es[:, :1].expand_as(es[:, 1:])) > 0,
                 record,
@@ -1114,7 +1185,7 @@ def check_optimizer(
     def grad_step(m: nn.Module, o: torch.optim.Optimizer) -> None:
         o.zero_grad(set_to_none=True)
         loss_of(m).backward()
-        o.step()
+        _run(record, "a step after load_state_dict", o.step)
 
     (m1, o1), (m2, o2) = clone(), clone()
     before = [p.detach().clone() for p in model.parameters()]
@@ -1217,9 +1288,8 @@ def check_schedule(
             f"{tail_start + i + 1} ({b:.4f}) in the last 20% of {total_steps} steps",
         )
     if "warmup_steps" in fields and "warmup_steps" not in dict(options or {}):
-        fn0 = build(
-            build_options(record, {**opts_dict, "warmup_steps": 0}), total_steps=total_steps
-        )
+        zero = build_options(record, {**opts_dict, "warmup_steps": 0})
+        fn0 = _run(record, "build with warmup_steps=0", build, zero, total_steps=total_steps)
         _expect(
             abs(float(fn0(0)) - 1.0) <= 1e-3,
             record,
@@ -1230,12 +1300,39 @@ def check_schedule(
 # -- other kinds and dispatch -----------------------------------------------------------------
 
 
+def check_options_model(record: Record, options: Options = None) -> None:
+    """The options model is a pydantic model that rejects unknown keys (so a misspelled
+    option in a spec is an error, not silently ignored)."""
+    model = _options_model(record)
+    _expect(
+        hasattr(model, "model_validate") and hasattr(model, "model_fields"),
+        record,
+        f"its options model {model!r} is not a pydantic model",
+    )
+    probe = {**dict(options or {}), "conformance_unknown_key": 1}
+    try:
+        model.model_validate(probe)
+    except Exception as exc:
+        errors = getattr(exc, "errors", lambda: [])()
+        if any(e.get("type") == "extra_forbidden" for e in errors):
+            return
+    _fail(
+        record,
+        f"its options model {model.__name__} accepts unknown keys; forbid them "
+        "(subclass llmkit.components.base.ComponentOptions)",
+    )
+
+
 def check_generic(
     record: Record, options: Options = None, *, device: str | torch.device | None = None
 ) -> None:
-    """For kinds without a dedicated check: the options validate and the target loads as a
-    callable."""
-    build_options(record, options)
+    """For kinds without a dedicated check: the options model forbids unknown keys and
+    validates ``options`` (or its defaults, unless it has required fields and no ``options``
+    are given), and the target loads as a callable."""
+    check_options_model(record, options)
+    required = [n for n, f in _options_model(record).model_fields.items() if f.is_required()]
+    if options or not required:
+        build_options(record, options)
     _load(record)
 
 
@@ -1255,6 +1352,7 @@ def check_component(
 ) -> None:
     """Run the conformance checks for ``record``'s kind (:func:`check_generic` for kinds
     without one). Raises AssertionError naming the component and the broken property."""
+    check_options_model(record, options)
     check = KIND_CHECKS.get(record.kind, check_generic)
     check(record, options, device=device)
 
@@ -1403,6 +1501,12 @@ def check_model_combination(
     with torch.no_grad():
         full = run("eval forward", net, idx).logits
         expect(torch.equal(full, net(idx).logits), "two eval forwards differ (not deterministic)")
+        with _seeded(seed, dev):
+            twin = build_model(rs).to(dev).eval()
+        expect(
+            torch.equal(full, twin(idx).logits),
+            "a second model built under the same seed gives different logits",
+        )
         cut = T // 2
         changed = idx.clone()
         changed[:, cut:] = (changed[:, cut:] + 1) % V

@@ -205,14 +205,16 @@ def build_tokenizer(
     *,
     log: Callable[[str], None] | None = None,
 ) -> Tokenizer:
-    """The run's tokenizer: ``spec.path`` if given; else ``out_path`` if it exists (a resumed
-    run); else trained on at most ``spec.train_bytes`` of ``texts()`` and saved to
-    ``out_path``."""
+    """The run's tokenizer: ``spec.path`` if given (copied to ``out_path``); else
+    ``out_path`` if it exists (a resumed run); else trained on at most ``spec.train_bytes``
+    of ``texts()`` and saved to ``out_path``."""
     say = log or (lambda _msg: None)
     eos = spec.special_tokens[0] if spec.special_tokens else None
     if spec.path:
         tok = Tokenizer.load(spec.path, "pretrained", eos)
         say(f"tokenizer: {spec.path} ({tok.vocab_size} tokens)")
+        if not Path(out_path).exists():
+            tok.save(out_path)  # a copy, so the run directory is self-contained
         return tok
     out = Path(out_path)
     if out.exists():

@@ -167,10 +167,10 @@ class Trainer:
         self.elapsed = 0.0
         self.best_val: float | None = None
         self.bad_evals = 0
-        if self.resume:
-            self._restore()
         self.flops_per_token = self.model.flops_per_token(self.block_size)["train"]
         self.peak = hardware.peak_flops(self.device, self.precision)
+        if self.resume:
+            self._restore()  # last: it sets the RNG state
 
     def _restore(self) -> None:
         latest = self.checkpoints.latest()
@@ -178,7 +178,11 @@ class Trainer:
             raise LlmkitError(f"{self.run_dir}: no checkpoint to resume from")
         load_weights(self.model, latest / "model.safetensors")
         state = load_state(latest)
+        # Hyperparameters come from the (possibly edited) spec, the moments from the run.
+        fresh = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
         self.optimizer.load_state_dict(state["optimizer"])
+        for group, hyper in zip(self.optimizer.param_groups, fresh, strict=True):
+            group.update(hyper)
         self.sampler.load_state_dict(state["data"])
         self.step, self.tokens = int(state["step"]), int(state["tokens"])
         self.elapsed = float(state["elapsed"])

@@ -37,7 +37,7 @@ class FakePlugin:
         register(self.kind, self.cname, Fancy, capabilities={"x": 1})
 
 
-def test_builtin_plugin_registers_every_kind_through_the_hook():
+def test_builtin_plugin_registers_every_kind_through_the_hook(fresh_registry):
     reg = get_registry()
     assert set(reg.kinds) >= {"attention", "ffn", "norm", "position", "optimizer", "schedule"}
     assert reg.plugins["builtin"].distribution == "llmkit"

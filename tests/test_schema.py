@@ -6,7 +6,7 @@ import jsonschema
 import pytest
 
 from llmkit.registry import get_registry
-from llmkit.schema import spec_schema
+from llmkit.schema import _ident, spec_schema
 from llmkit.spec import load_raw
 from tests.conftest import SPECS
 
@@ -24,7 +24,7 @@ def test_one_branch_per_component(schema):
     defs = schema["$defs"]
     reg = get_registry()
     for rec in reg.list():
-        key = f"{rec.kind}__{rec.name}"
+        key = f"{rec.kind}__{_ident(rec.name)}"
         assert key in defs, key
         assert defs[key]["properties"]["name"]["const"] == rec.name
         assert defs[key]["additionalProperties"] is False

@@ -36,8 +36,9 @@ class FileSourceOptions(ComponentOptions):
     """Options shared by sources that read local files."""
 
     paths: list[str] = Field(
-        min_length=1,
-        description="Files or glob patterns (** recurses); relative to the current directory.",
+        default_factory=list,
+        description="Files or glob patterns (** recurses); relative to the current directory. "
+        "Required.",
     )
     val_paths: list[str] | None = Field(
         None, description="Explicit validation files or globs, instead of splitting `paths`."
@@ -79,6 +80,8 @@ def train_val_files(
 ) -> tuple[list[Path], list[Path] | None]:
     """Resolve ``paths`` and ``val_paths``; validation files are removed from the training
     files (so ``data/*.txt`` with ``val_paths = ["data/val.txt"]`` works)."""
+    if not paths:
+        raise LlmkitError("data.source.paths: name at least one file or glob pattern")
     val = resolve_paths(val_paths, "val_paths") if val_paths is not None else None
     train = resolve_paths(paths)
     if val is not None:
@@ -169,17 +172,26 @@ def select_text(ds: datasets.Dataset, field: str, where: str) -> datasets.Datase
 def seeded_split(
     ds: datasets.Dataset, val_fraction: float, seed: int, where: str
 ) -> datasets.DatasetDict:
-    """Rows split at random, seeded: ``val_fraction`` of them (at least one) to validation."""
+    """Rows split at random, seeded: ``val_fraction`` of them (at least one, rounded up) to
+    validation, the rest to train."""
     if len(ds) < 2:
         raise LlmkitError(
             f"{where}: {len(ds)} document(s) cannot be split into train and validation; "
             "add documents or give val_paths"
         )
-    # indices kept in memory: nothing is written next to the source's own files
-    parts = ds.train_test_split(
-        test_size=val_fraction, seed=seed, shuffle=True, keep_in_memory=True
+    import math
+
+    import numpy as np
+
+    n = len(ds)
+    n_val = min(max(1, math.ceil(n * val_fraction)), n - 1)
+    perm = np.random.default_rng(seed % 2**63).permutation(n)
+    # Rows keep their file order within each split (sequential reads); the indices stay in
+    # memory, so nothing is written next to the source's own files.
+    val_idx, train_idx = np.sort(perm[:n_val]), np.sort(perm[n_val:])
+    return dataset_dict(
+        ds.select(train_idx, keep_in_memory=True), ds.select(val_idx, keep_in_memory=True)
     )
-    return dataset_dict(parts["train"], parts["test"])
 
 
 def hf_load(

@@ -24,10 +24,15 @@ if TYPE_CHECKING:
 class Options(ComponentOptions):
     """Options of the saved source."""
 
-    path: str = Field(description="Directory written by Dataset/DatasetDict.save_to_disk.")
+    path: str = Field(
+        "", description="Directory written by Dataset/DatasetDict.save_to_disk. Required."
+    )
     text_field: str = Field("text", min_length=1, description="The column holding the text.")
     val_fraction: float = Field(
-        0.05, gt=0, lt=1, description="Share of train documents held out when no validation "
+        0.05,
+        gt=0,
+        lt=1,
+        description="Share of train documents held out when no validation "
         "split (validation, valid, val or test) exists.",
     )
 
@@ -47,7 +52,7 @@ class SavedDataset:
         return Path(self.options.path).expanduser()
 
     def fingerprint(self) -> str:
-        if not self.dir.is_dir():
+        if not self.options.path or not self.dir.is_dir():
             return ""
         files = sorted(
             p for p in self.dir.rglob("*") if p.is_file() and not p.name.startswith("cache-")
@@ -57,6 +62,8 @@ class SavedDataset:
     def _load(self) -> datasets.Dataset | datasets.DatasetDict:
         import datasets
 
+        if not self.options.path:
+            raise LlmkitError("data.source.path: name the directory written by save_to_disk")
         if not self.dir.is_dir():
             raise LlmkitError(f"data.source.path: directory not found: {self.options.path}")
         try:

@@ -104,7 +104,7 @@ class RotaryPosition(PositionalScheme):
         inside = ((positions >= 0) & (positions < n))[..., None]
         return torch.where(inside, cos, angles.cos()), torch.where(inside, sin, angles.sin())
 
-    def _apply(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    def _rotate_half_pairs(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         r, h = self.rot_dim, self.rot_dim // 2
         xf = x[..., :r].float()
         x1, x2 = xf[..., :h], xf[..., h:]
@@ -122,7 +122,7 @@ class RotaryPosition(PositionalScheme):
         cos, sin = self.cos_sin(positions)
         if positions.dim() == 2:  # (B, T, r/2) → (B, 1, T, r/2) to broadcast over heads
             cos, sin = cos[:, None], sin[:, None]
-        return self._apply(q, cos, sin), self._apply(k, cos, sin)
+        return self._rotate_half_pairs(q, cos, sin), self._rotate_half_pairs(k, cos, sin)
 
     def extra_repr(self) -> str:
         return f"rot_dim={self.rot_dim}, base={self.base:g}, position_scale={self.position_scale:g}"
