@@ -28,6 +28,7 @@ CORPUS = (
 
 
 def write_spec(tmp_path: Path, **train) -> Path:
+    tmp_path.mkdir(parents=True, exist_ok=True)
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(CORPUS)
     spec = {
@@ -253,3 +254,81 @@ def test_cli_eval_and_generate(tmp_path):
     )
     assert proc.returncode == 2 and "run not found" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def _quiet(**kw):
+    return {"log": lambda _m: None, "progress": False, **kw}
+
+
+def test_gradient_accumulation_matches_one_big_batch(tmp_path):
+    """2 micro-batches of 4 give the same first step as one batch of 8 (dropout off)."""
+    runs = {}
+    for name, sets in {"big": ["train.batch_size=8"],
+                       "accum": ["train.batch_size=4", "train.grad_accum=2"]}.items():
+        spec = write_spec(tmp_path / name, max_steps=3, eval_interval=3)
+        result = train(spec, run_dir=tmp_path / name / "run",
+                       overrides=[*sets, "model.dropout=0.0"], **_quiet())
+        runs[name] = [m for m in result.history if "loss" in m]
+    # the same 8 sequences reach the optimizer either way; sums differ only by rounding
+    for a, b in zip(runs["big"], runs["accum"]):
+        assert a["loss"] == pytest.approx(b["loss"], abs=1e-4)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-3)
+
+
+def test_activation_checkpointing_gives_the_same_losses(tmp_path):
+    losses = []
+    for flag in (False, True):
+        spec = write_spec(tmp_path / str(flag), max_steps=4, eval_interval=4)
+        result = train(spec, run_dir=tmp_path / str(flag) / "run",
+                       overrides=[f"train.activation_checkpointing={str(flag).lower()}",
+                                  "model.dropout=0.0"], **_quiet())
+        losses.append([m["loss"] for m in result.history if "loss" in m])
+    assert losses[0] == pytest.approx(losses[1], abs=1e-5)
+
+
+def test_early_stopping_and_max_time(tmp_path):
+    spec = write_spec(tmp_path, max_steps=200, eval_interval=2, early_stopping_patience=1)
+    result = train(spec, run_dir=tmp_path / "es", overrides=["optimizer.lr=1e-9"], **_quiet())
+    assert result.stopped == "early_stopping" and result.step < 200
+    spec = write_spec(tmp_path / "t", max_steps=100000, eval_interval=1000)
+    result = train(spec, run_dir=tmp_path / "t" / "run", max_time=2.0, **_quiet())
+    assert result.stopped == "max_time" and result.step < 100000
+    assert Checkpoints(tmp_path / "t" / "run").latest() is not None
+
+
+def test_skip_mode_skips_non_finite_steps(tmp_path, monkeypatch):
+    from llmkit import train as train_mod
+
+    calls = {"n": 0}
+    original = train_mod.Trainer._train_step
+
+    def flaky(self):
+        calls["n"] += 1
+        if calls["n"] == 2:  # one step whose loss came out NaN
+            return self._non_finite(float("nan"), float("nan"))
+        return original(self)
+
+    monkeypatch.setattr(train_mod.Trainer, "_train_step", flaky)
+    spec = write_spec(tmp_path, max_steps=4, eval_interval=4, on_nonfinite="skip")
+    result = train(spec, run_dir=tmp_path / "run", **_quiet())
+    assert result.step == 4 and calls["n"] == 5
+
+
+@pytest.mark.parametrize("precision", ["bf16"])
+def test_bf16_autocast_trains_on_cpu(tmp_path, precision):
+    spec = write_spec(tmp_path, max_steps=3, eval_interval=3, precision=precision)
+    result = train(spec, run_dir=tmp_path / "run", **_quiet())
+    assert all(math.isfinite(m["loss"]) for m in result.history if "loss" in m)
+
+
+def test_fp16_is_refused_on_cpu(tmp_path):
+    spec = write_spec(tmp_path, max_steps=3, precision="fp16")
+    with pytest.raises(LlmkitError, match="fp16 needs a CUDA GPU"):
+        train(spec, run_dir=tmp_path / "run", **_quiet())
+
+
+def test_data_errors_are_clear(tmp_path):
+    spec = write_spec(tmp_path, max_steps=3)
+    with pytest.raises(LlmkitError, match="nope"):
+        train(spec, run_dir=tmp_path / "run",
+              overrides=[f'data.source.paths=["{tmp_path / "nope.txt"}"]'], **_quiet())
