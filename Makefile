@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml $(PLUGINS)
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/llmkit info specs/tiny.toml
+	$(BIN)/llmkit train specs/tiny.toml
 
 test: $(STAMP)
 	$(BIN)/ruff check llmkit tests benchmarks plugins

@@ -70,5 +70,8 @@ def load_run(path: str | Path, which: str = "final", device: str = "cpu") -> Loa
     model = build_model(rs)
     load_weights(model, weights)
     model.to(device).eval()
-    tokenizer = Tokenizer.load(run_dir / TOKENIZER_FILE)
+    specials = rs.spec.tokenizer.special_tokens
+    tokenizer = Tokenizer.load(
+        run_dir / TOKENIZER_FILE, eos_token=specials[0] if specials else None
+    )
     return LoadedRun(rs, model, tokenizer, weights, run_dir)
