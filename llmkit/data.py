@@ -372,10 +372,12 @@ def _n_blocks(n_tokens: int, block_size: int, what: str) -> int:
 
 
 class BlockSampler:
-    """Packed training blocks: block ``i`` is tokens ``[i·B, i·B + B + 1)`` for
+    """Packed training blocks: block ``i`` is tokens ``[s + i·B, s + i·B + B + 1)`` for
     ``B = block_size`` (x = block[:-1], y = block[1:]), visited in a permutation seeded by
-    ``(seed, epoch)``. With ``world_size > 1`` each rank takes its own contiguous, disjoint
-    slice of every epoch's permutation (all ranks get the same number of blocks)."""
+    ``(seed, epoch)``; the grid offset ``s`` is 0 in the first epoch and a seeded shift
+    within the spare tokens afterwards. With ``world_size > 1`` each rank takes its own
+    contiguous, disjoint slice of every epoch's permutation (all ranks get the same number of
+    blocks)."""
 
     def __init__(
         self,
@@ -395,6 +397,9 @@ class BlockSampler:
         self.rank = rank
         self.world_size = world_size
         self.n_blocks = _n_blocks(len(data), block_size, f"{name} split")
+        if self.n_blocks >= 2 * world_size:  # keep a block spare so epochs can shift the grid
+            self.n_blocks -= 1
+        self.spare = len(data) - 1 - self.n_blocks * block_size
         self.blocks_per_rank = self.n_blocks // world_size
         if self.blocks_per_rank == 0:
             raise LlmkitError(
@@ -416,24 +421,37 @@ class BlockSampler:
             self._order_epoch = epoch
         return self._order
 
-    def next_indices(self, batch_size: int) -> np.ndarray:
-        """The next ``batch_size`` block indices, moving to the next epoch as needed."""
-        out = []
+    def _next(self, batch_size: int) -> tuple[np.ndarray, np.ndarray]:
+        """The next block indices and the epoch each belongs to."""
+        blocks, epochs = [], []
         need = batch_size
         while need:
             if self.index >= self.blocks_per_rank:
                 self.epoch += 1
                 self.index = 0
             take = self.order(self.epoch)[self.index : self.index + need]
-            out.append(take)
+            blocks.append(take)
+            epochs.append(np.full(len(take), self.epoch))
             self.index += len(take)
             need -= len(take)
-        return np.concatenate(out)
+        return np.concatenate(blocks), np.concatenate(epochs)
+
+    def next_indices(self, batch_size: int) -> np.ndarray:
+        """The next ``batch_size`` block indices, moving to the next epoch as needed."""
+        return self._next(batch_size)[0]
+
+    def shift(self, epoch: int) -> int:
+        """Where the block grid starts in ``epoch``: 0 in the first epoch, then a seeded
+        offset, so later epochs cut the text at new places."""
+        if epoch == 0 or self.spare == 0:
+            return 0
+        return int(np.random.default_rng([self.seed % 2**63, epoch, 1]).integers(self.spare + 1))
 
     def next_batch(self, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Inputs and targets, LongTensors of shape (batch_size, block_size)."""
-        blocks = self.next_indices(batch_size)
-        return _blocks(_as_array(self.data), blocks * self.block_size, self.block_size)
+        blocks, epochs = self._next(batch_size)
+        shifts = np.array([self.shift(int(e)) for e in epochs], dtype=np.int64)
+        return _blocks(_as_array(self.data), blocks * self.block_size + shifts, self.block_size)
 
     @property
     def tokens_per_epoch(self) -> int:

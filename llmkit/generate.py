@@ -37,17 +37,21 @@ def filter_logits(logits: Tensor, top_k: int | None, top_p: float | None) -> Ten
 
 @torch.no_grad()
 def generate_ids(model: Transformer, prompt: Tensor, cfg: Sampling) -> Tensor:
-    """Continue ``prompt`` (B, T) by up to ``cfg.max_new_tokens`` tokens; returns new ids."""
+    """Continue ``prompt`` (B, T) by up to ``cfg.max_new_tokens`` tokens; returns new ids.
+
+    When the context reaches the model's ``max_seq_len`` the cache is rebuilt from the most
+    recent half of the context, so generation can go on as long as asked."""
     was_training = model.training
     model.eval()
     gen = None
     if cfg.seed is not None:
         gen = torch.Generator(device=prompt.device).manual_seed(cfg.seed)
-    cache = model.new_cache()
     limit = model.config.max_seq_len
+    context = prompt[:, -limit:]
+    cache = model.new_cache()
     out: list[Tensor] = []
     try:
-        logits = model(prompt, cache=cache, last_only=True).logits[:, -1]
+        logits = model(context, cache=cache, last_only=True).logits[:, -1]
         done = torch.zeros(prompt.size(0), dtype=torch.bool, device=prompt.device)
         for _ in range(cfg.max_new_tokens):
             if cfg.temperature <= 0:
@@ -56,18 +60,17 @@ def generate_ids(model: Transformer, prompt: Tensor, cfg: Sampling) -> Tensor:
                 probs = filter_logits(logits.float() / cfg.temperature, cfg.top_k, cfg.top_p)
                 nxt = torch.multinomial(probs.softmax(-1), 1, generator=gen).squeeze(-1)
             out.append(nxt)
+            context = torch.cat([context, nxt[:, None]], dim=1)
             if cfg.eos_id is not None:
                 done |= nxt == cfg.eos_id
                 if bool(done.all()):
                     break
-            if cache.position >= limit and not _can_extend(model):
-                break
-            logits = model(nxt[:, None], cache=cache).logits[:, -1]
+            if cache.position >= limit:
+                cache = model.new_cache()
+                context = context[:, -(limit // 2) :]
+                logits = model(context, cache=cache, last_only=True).logits[:, -1]
+            else:
+                logits = model(nxt[:, None], cache=cache).logits[:, -1]
     finally:
         model.train(was_training)
     return torch.stack(out, 1) if out else prompt.new_zeros(prompt.size(0), 0)
-
-
-def _can_extend(model: Transformer) -> bool:
-    """Learned absolute positions stop at max_seq_len; other schemes can go on."""
-    return not any(p.numel() for p in model.position.parameters())

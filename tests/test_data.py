@@ -212,11 +212,23 @@ def draw(sampler: BlockSampler, k: int, batch: int) -> list[torch.Tensor]:
 def test_sampler_blocks_and_targets() -> None:
     tokens = np.arange(1001, dtype=np.uint16)
     s = BlockSampler(tokens, 10, seed=0)
-    assert s.n_blocks == 100 and s.tokens_per_epoch == 1000
+    assert s.n_blocks == 99 and s.tokens_per_epoch == 990  # one block kept spare
     x, y = s.next_batch(8)
     assert x.shape == y.shape == (8, 10) and x.dtype == y.dtype == torch.long
     assert torch.equal(y, x + 1)
-    assert (x[:, 0] % 10 == 0).all()  # packed, non-overlapping blocks
+    assert (x[:, 0] % 10 == 0).all()  # packed, non-overlapping blocks in the first epoch
+
+
+def test_later_epochs_shift_the_block_grid() -> None:
+    tokens = np.arange(1001)
+    s = BlockSampler(tokens, 10, seed=5)
+    shifts = {s.shift(e) for e in range(1, 30)}
+    assert s.shift(0) == 0 and shifts <= set(range(11)) and len(shifts) > 3
+    draw(s, 99, 1)  # the whole first epoch
+    x, y = s.next_batch(99)  # the whole second epoch: one shared offset
+    starts = x[:, 0]
+    assert len(set((starts % 10).tolist())) == 1 and int(starts[0] % 10) == s.shift(1) % 10
+    assert len(set(starts.tolist())) == 99 and int(y.max()) <= 1000  # disjoint, in bounds
 
 
 def test_sampler_deterministic_and_epochs() -> None:
@@ -226,16 +238,17 @@ def test_sampler_deterministic_and_epochs() -> None:
     other = BlockSampler(tokens, 10, seed=4)
     assert not all(torch.equal(u, v) for u, v in zip(draw(other, 5, 3), draw(b, 5, 3)))
 
-    s = BlockSampler(tokens, 10, seed=1)
-    first = torch.cat(draw(s, 3, 3))[:, 0] // 10  # 9 blocks of epoch 0
-    assert s.state_dict() == {"epoch": 0, "index": 9}
-    last_and_next = s.next_batch(3)[0][:, 0] // 10  # 1 from epoch 0, 2 from epoch 1
+    s = BlockSampler(tokens, 10, seed=1)  # 9 blocks (one spare)
+    first = torch.cat(draw(s, 2, 4))[:, 0] // 10  # 8 blocks of epoch 0
+    assert s.state_dict() == {"epoch": 0, "index": 8}
+    last_and_next = s.next_batch(3)[0][:, 0]  # 1 from epoch 0, 2 from epoch 1
     assert s.state_dict() == {"epoch": 1, "index": 2}
-    epoch0 = [*first.tolist(), int(last_and_next[0])]
-    assert sorted(epoch0) == list(range(10))
+    epoch0 = [*first.tolist(), int(last_and_next[0]) // 10]
+    assert sorted(epoch0) == list(range(9))
     assert epoch0 != sorted(epoch0)
     epoch1 = list(s.order(1))
-    assert last_and_next[1:].tolist() == epoch1[:2] and epoch1 != epoch0
+    assert ((last_and_next[1:] - s.shift(1)) // 10).tolist() == epoch1[:2]
+    assert epoch1 != epoch0
 
 
 def test_sampler_resume_continues_exactly() -> None:
@@ -255,11 +268,11 @@ def test_sampler_resume_continues_exactly() -> None:
 def test_sampler_sharding_disjoint() -> None:
     tokens = np.arange(1001)
     ranks = [BlockSampler(tokens, 10, seed=5, rank=r, world_size=2) for r in range(2)]
-    assert [r.blocks_per_rank for r in ranks] == [50, 50]
-    seen = [set((torch.cat(draw(r, 10, 5))[:, 0] // 10).tolist()) for r in ranks]
-    assert len(seen[0]) == len(seen[1]) == 50
+    assert [r.blocks_per_rank for r in ranks] == [49, 49]  # 99 blocks, one spare
+    seen = [set((torch.cat(draw(r, 7, 7))[:, 0] // 10).tolist()) for r in ranks]
+    assert len(seen[0]) == len(seen[1]) == 49
     assert not seen[0] & seen[1]
-    assert seen[0] | seen[1] == set(range(100))
+    assert seen[0] | seen[1] <= set(range(99))
     assert not set(ranks[0].order(1)) & set(ranks[1].order(1))
     with pytest.raises(LlmkitError, match="ranks"):
         BlockSampler(np.arange(25), 10, world_size=3)
