@@ -475,6 +475,51 @@ class BlockSampler:
         self.epoch, self.index = epoch, index
 
 
+class RandomWindowSampler:
+    """Windows of ``block_size + 1`` tokens starting anywhere, drawn i.i.d. (nanoGPT's
+    ``get_batch``). Batch ``n`` is a function of ``(seed, rank, n)`` alone, so the state is
+    one counter and a resumed run draws exactly the batches an uninterrupted one would."""
+
+    def __init__(
+        self,
+        data: TokenFile | np.ndarray,
+        block_size: int,
+        seed: int = 0,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        name: str = "train",
+    ) -> None:
+        _n_blocks(len(data), block_size, f"{name} split")  # errors for a too-short corpus
+        self.data, self.block_size, self.seed, self.rank = data, block_size, seed, rank
+        self.world_size = world_size
+        self.draws = 0
+
+    def next_batch(self, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        rng = np.random.default_rng([self.seed % 2**63, self.rank, self.draws, 2])
+        self.draws += 1
+        high = len(self.data) - self.block_size  # last valid start + 1
+        starts = rng.integers(0, high, size=batch_size)
+        return _blocks(_as_array(self.data), starts, self.block_size)
+
+    def state_dict(self) -> dict[str, int]:
+        return {"draws": int(self.draws)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        try:
+            self.draws = int(state["draws"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise LlmkitError(f"bad sampler state {state!r}") from exc
+
+
+def make_sampler(
+    kind: str, data: TokenFile | np.ndarray, block_size: int, seed: int, **kw: Any
+) -> BlockSampler | RandomWindowSampler:
+    """The training sampler named by ``data.sampling``."""
+    cls = RandomWindowSampler if kind == "random" else BlockSampler
+    return cls(data, block_size, seed, **kw)
+
+
 def eval_batches(
     token_file: TokenFile | np.ndarray, block_size: int, batch_size: int, n_batches: int
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:

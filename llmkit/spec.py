@@ -142,6 +142,11 @@ class DataSpec(Strict):
         None, description="Where tokenized data is cached; default <run>/data."
     )
     num_proc: int = Field(1, ge=1, description="Processes for tokenization (datasets.map).")
+    sampling: Literal["packed", "random"] = Field(
+        "packed",
+        description="packed: every block once per epoch (grid shifted in later epochs); "
+        "random: windows starting anywhere, drawn independently (as nanoGPT).",
+    )
 
 
 class TrainSpec(Strict):

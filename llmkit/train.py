@@ -117,7 +117,7 @@ class Trainer:
 
     # -- set-up ------------------------------------------------------------------------------
     def _setup(self) -> None:
-        from llmkit.data import BlockSampler, prepare_data
+        from llmkit.data import make_sampler, prepare_data
         from llmkit.model import build_model
 
         t = self.t
@@ -145,7 +145,9 @@ class Trainer:
                 f"data.block_size ({self.block_size}) exceeds model.max_seq_len "
                 f"({self.rs.model.max_seq_len})"
             )
-        self.sampler = BlockSampler(data.train, self.block_size, seed=t.seed)
+        self.sampler = make_sampler(
+            self.rs.spec.data.sampling, data.train, self.block_size, t.seed
+        )
 
         torch.manual_seed(t.seed)
         self.model = build_model(self.rs).to(self.device)

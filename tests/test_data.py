@@ -298,3 +298,20 @@ def test_eval_batches_few_blocks() -> None:
     batches = list(eval_batches(np.arange(51), 10, 4, 10))
     assert [len(x) for x, _ in batches] == [4, 1]  # each of the 5 blocks once
     assert torch.cat([x for x, _ in batches])[:, 0].tolist() == [0, 10, 20, 30, 40]
+
+
+def test_random_window_sampler_is_a_function_of_the_draw_count() -> None:
+    from llmkit.data import RandomWindowSampler
+
+    tokens = np.arange(500)
+    a = RandomWindowSampler(tokens, 16, seed=2)
+    batches = [a.next_batch(4) for _ in range(5)]
+    for x, y in batches:
+        assert torch.equal(y, x + 1) and int(y.max()) < 500
+    starts = torch.cat([x[:, 0] for x, _ in batches])
+    assert (starts % 16 != 0).any()  # not tied to a grid
+    b = RandomWindowSampler(tokens, 16, seed=2)
+    b.load_state_dict(json.loads(json.dumps({"draws": 3})))
+    assert torch.equal(b.next_batch(4)[0], batches[3][0])
+    with pytest.raises(LlmkitError, match="shorter than one block"):
+        RandomWindowSampler(np.arange(10), 16)
