@@ -40,9 +40,12 @@ def _registry() -> Any:
 
 
 def _warn_failures(reg: Any) -> None:
+    from rich.markup import escape
+
     for info in reg.failures():
         _console(stderr=True).print(
-            f"[yellow]warning:[/] plugin {info.name!r} ({info.distribution}) failed: {info.error}",
+            f"[yellow]warning:[/] plugin {info.name!r} ({info.distribution}) failed: "
+            f"{escape(info.error)}",
             markup=True,
         )
 
@@ -108,25 +111,200 @@ def _type_name(ann: Any) -> str:
     return text or str(ann).replace("typing.", "")
 
 
+def _installed_entry_points() -> dict[str, str]:
+    """Installed ``llmkit`` entry points: name → distribution (no plugin is imported)."""
+    import importlib.metadata as md
+
+    out: dict[str, str] = {}
+    for ep in md.entry_points(group="llmkit"):
+        dist = getattr(ep, "dist", None)
+        out.setdefault(ep.name, dist.metadata["Name"] if dist is not None else "?")
+    return out
+
+
+def _provides(reg: Any, info: Any) -> str:
+    """What a plugin registered: new kinds, then a count per kind."""
+    by_kind: dict[str, list[str]] = {}
+    for key in info.registered:
+        kind, _, name = key.partition(".")
+        by_kind.setdefault(kind, []).append(name)
+    parts = []
+    new_kinds = sorted(
+        k.name
+        for k in reg.kinds.values()
+        if k.provider == info.distribution and info.name != "builtin"
+    )
+    if new_kinds:
+        parts.append(f"new kind {', '.join(new_kinds)}")
+    for kind in sorted(by_kind):
+        names = by_kind[kind]
+        parts.append(f"{kind} {len(names)}")
+    return "; ".join(parts) or "-"
+
+
+def _plugins_report(reg: Any) -> dict[str, Any]:
+    """Everything ``llmkit plugins`` shows, as data (also its ``--json`` output)."""
+    import os
+
+    from llmkit.registry import allowed_plugins
+
+    lost: dict[str, list[str]] = {}
+    for rec in reg.overridden:
+        lost.setdefault(rec.provider, []).append(rec.key)
+    plugins = []
+    for info in sorted(reg.plugins.values(), key=lambda p: (p.name != "builtin", p.name)):
+        plugins.append(
+            {
+                "name": info.name,
+                "distribution": info.distribution,
+                "version": info.version,
+                "status": "failed" if info.error else "ok",
+                "error": info.error,
+                "registered": list(info.registered),
+                "kinds": sorted(
+                    k.name
+                    for k in reg.kinds.values()
+                    if k.provider == info.distribution and info.name != "builtin"
+                ),
+                "overridden": sorted(set(lost.get(info.distribution, []))),
+            }
+        )
+    allowed = allowed_plugins()
+    skipped = [
+        {"name": name, "distribution": dist}
+        for name, dist in sorted(_installed_entry_points().items())
+        if name not in reg.plugins
+    ]
+    conflicts = [
+        {"key": c.key, "providers": list(c.providers), "winner": c.winner}
+        for c in sorted(reg.conflicts.values(), key=lambda c: c.key)
+    ]
+    return {
+        "plugins": plugins,
+        "not_loaded": skipped,
+        "conflicts": conflicts,
+        "allow_list": allowed,
+        "registry_file": os.environ.get("LLMKIT_REGISTRY") or None,
+        "strict": bool(getattr(reg, "strict", False)),
+    }
+
+
 def cmd_plugins(args: argparse.Namespace) -> int:
     reg = _registry()
-    table = _table("plugin", "distribution", "version", "registered", "status")
-    for info in sorted(reg.plugins.values(), key=lambda p: p.name):
-        status = f"[red]failed: {info.error}[/]" if info.error else "ok"
-        table.add_row(info.name, info.distribution, info.version, str(len(info.registered)), status)
+    report = _plugins_report(reg)
+    unresolved = [c for c in report["conflicts"] if c["winner"] is None]
+    code = 1 if reg.failures() or unresolved else 0
+    if args.json:
+        sys.stdout.write(json.dumps(report, indent=2) + "\n")
+        return code
     con = _console()
-    con.print(table)
-    if args.verbose:
-        for info in sorted(reg.plugins.values(), key=lambda p: p.name):
-            if info.registered:
-                con.print(f"{info.name}: {', '.join(info.registered)}", markup=False)
-    for key, conflict in sorted(reg.conflicts.items()):
-        if conflict.winner:
-            losers = [p for p in conflict.providers if p != conflict.winner]
-            con.print(f"{key}: {conflict.winner} wins over {', '.join(losers)}", markup=False)
+    table = _table("plugin", "distribution", "version", "provides", "status")
+    for p in report["plugins"]:
+        info = reg.plugins[p["name"]]
+        if p["error"]:
+            status = "[red]FAILED[/] (below)"
+        elif p["overridden"]:
+            status = f"ok, [yellow]{len(p['overridden'])} not used[/] (below)"
         else:
-            con.print(f"[red]{key}: conflict between {' and '.join(conflict.providers)}[/]")
-    return 1 if reg.failures() else 0
+            status = "ok"
+        provides = _provides(reg, info) if not p["error"] else "nothing"
+        table.add_row(p["name"], p["distribution"], p["version"], provides, status)
+    for s in report["not_loaded"]:
+        table.add_row(s["name"], s["distribution"], "", "", "[dim]off[/]")
+    con.print(table)
+    if report["not_loaded"]:
+        allow = ",".join(report["allow_list"] or [])
+        con.print(f"off: installed but not loaded, as LLMKIT_PLUGINS={allow!r}", markup=False)
+    if args.verbose:  # one line per plugin: every component it registered, and which lost
+        for info in sorted(reg.plugins.values(), key=lambda p: p.name):
+            if not info.registered:
+                continue
+            names = []
+            for key in info.registered:
+                conflict = reg.conflicts.get(key)
+                if conflict is None or conflict.winner == info.distribution:
+                    names.append(key)
+                elif conflict.winner is None:
+                    names.append(f"{key} (unusable: conflict)")
+                else:
+                    names.append(f"{key} (overridden by {conflict.winner})")
+            con.print(f"{info.name}: {', '.join(names)}", markup=False)
+    failed = [p for p in report["plugins"] if p["error"]]
+    if failed:
+        con.print(
+            "\n[bold red]failed to load[/] (their components are unavailable; other "
+            "plugins are unaffected):"
+        )
+        for p in failed:
+            con.print(
+                f"  {p['name']} ({p['distribution']} {p['version']}): {p['error']}", markup=False
+            )
+        con.print(
+            "  fix: reinstall or upgrade it, leave it out of LLMKIT_PLUGINS, or uninstall it; "
+            "the traceback: LLMKIT_STRICT_PLUGINS=1 llmkit --debug plugins; "
+            "see docs/plugins/troubleshooting.md",
+            markup=False,
+        )
+    settled = [c for c in report["conflicts"] if c["winner"]]
+    if settled:
+        source = f"$LLMKIT_REGISTRY ({report['registry_file']})" if report["registry_file"] else ""
+        where = " or ".join(x for x in ("registry.toml", source) if x)
+        con.print(
+            f"\n[bold]overridden[/] (name clashes settled by \\[winners] in {where}):",
+            markup=True,
+            highlight=False,
+        )
+        for c in settled:
+            losers = [p for p in c["providers"] if p != c["winner"]]
+            con.print(f"  {c['key']}: {c['winner']} wins over {', '.join(losers)}", markup=False)
+    if unresolved:
+        con.print(
+            "\n[bold red]conflicts[/] (these names are unusable until you choose a provider):"
+        )
+        for c in unresolved:
+            con.print(
+                f"  {c['key']}: conflict between {' and '.join(c['providers'])}; choose one "
+                f'in the file $LLMKIT_REGISTRY names: [winners] "{c["key"]}" = '
+                f'"{c["providers"][0]}"',
+                markup=False,
+            )
+    return code
+
+
+def cmd_plugin_new(args: argparse.Namespace) -> int:
+    from llmkit.scaffold import new_plugin, plugin_names
+
+    names = plugin_names(args.name, args.kind, args.component)
+    reg = _registry()
+    if names.component in reg.names(names.kind) or f"{names.kind}.{names.component}" in (
+        reg.conflicts
+    ):
+        owner = reg.components.get(f"{names.kind}.{names.component}")
+        by = f" (from {owner.provider})" if owner is not None else ""
+        raise LlmkitError(
+            f"{names.kind} {names.component!r} already exists{by}; choose another component "
+            "name with --component"
+        )
+    root, names, files = new_plugin(args.name, args.kind, args.dir, args.component)
+    con = _console()
+    con.print(
+        f"created {names.distribution} in {root}: {names.kind} {names.component!r} "
+        f"({names.target}), entry point {names.entry_point!r}",
+        markup=False,
+    )
+    for path in files:
+        con.print(f"  {path.relative_to(root)}", markup=False)
+    con.print(
+        f"next:\n  pip install -e {root}\n  pytest {root}\n"
+        f"  llmkit show {names.kind} {names.component}",
+        markup=False,
+    )
+    return 0
+
+
+def _plugin_help(args: argparse.Namespace) -> int:
+    args.plugin_parser.print_help()
+    return 0
 
 
 def _load(path: str, sets: list[str] | None) -> Any:
@@ -136,7 +314,11 @@ def _load(path: str, sets: list[str] | None) -> Any:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
+    from rich.markup import escape
+
     from llmkit.errors import SpecError
+
+    _warn_failures(_registry())
 
     failed = 0
     con = _console()
@@ -145,11 +327,13 @@ def cmd_validate(args: argparse.Namespace) -> int:
             rs = _load(path, args.set)
         except SpecError as exc:
             failed += 1
-            _console(stderr=True).print(f"[red]✗[/] {exc}", markup=True, highlight=False)
+            _console(stderr=True).print(
+                f"[red]✗[/] {escape(str(exc))}", markup=True, highlight=False
+            )
             continue
         except LlmkitError as exc:
             failed += 1
-            _console(stderr=True).print(f"[red]✗[/] {exc}", markup=True)
+            _console(stderr=True).print(f"[red]✗[/] {escape(str(exc))}", markup=True)
             continue
         con.print(f"[green]✓[/] {path}: {len(rs.layers)} layers, valid")
         if args.resolved:
@@ -324,35 +508,120 @@ def _print_sample(run_dir: Any) -> None:
 
 
 def _complete(run: Any, prompt: str, sampling: Any) -> str:
-    import torch
+    """The continuation of ``prompt``. An empty prompt starts from the document separator
+    and, unless ``sampling.eos_id`` is set, runs across documents (EOS does not stop it)."""
+    import dataclasses
 
-    from llmkit.generate import generate_ids
+    from llmkit.generate import Generator
 
-    tok = run.tokenizer
-    ids = tok.encode(prompt) if prompt else []
-    if not ids:
-        ids = [tok.eos_id if tok.eos_id is not None else 0]
-    ids = ids[-run.model.config.max_seq_len :]
-    if sampling.eos_id is None and prompt:
-        sampling.eos_id = tok.eos_id
-    new = generate_ids(run.model, torch.tensor([ids]), sampling)
-    return tok.decode(new[0].tolist())
+    if not prompt and sampling.eos_id is None:
+        sampling = dataclasses.replace(sampling, ignore_eos=True)
+    return Generator(run).generate(prompt, sampling)[0].text
+
+
+def _sampling_from_args(args: argparse.Namespace) -> Any:
+    from llmkit.generate import Sampling
+
+    beams = args.num_beams > 1
+    sampling = Sampling(
+        max_new_tokens=args.max_new_tokens,
+        temperature=0.0 if beams else args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        seed=args.seed,
+        ignore_eos=args.ignore_eos,
+        stop=tuple(s.replace("\\n", "\n").replace("\\t", "\t") for s in args.stop or ()),
+        num_beams=args.num_beams,
+        length_penalty=args.length_penalty,
+        early_stopping=not args.no_early_stopping,
+    )
+    try:
+        sampling.validate()
+    except ValueError as exc:
+        raise LlmkitError(str(exc)) from exc
+    return sampling
+
+
+def _write(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
+def _stream_one(gen: Any, prompt: str, sampling: Any) -> Any:
+    stream = gen.stream(prompt, sampling)
+    for piece in stream:
+        _write(piece)
+    return stream.result
+
+
+def _interactive(gen: Any, sampling: Any, stream: bool) -> int:
+    """One prompt per line (each continued on its own) until EOF or `exit`."""
+    tty = sys.stdin.isatty()
+    if tty:
+        sys.stderr.write("llmkit generate: one prompt per line; `exit` or Ctrl-D ends\n")
+    while True:
+        if tty:
+            sys.stderr.write("> ")
+            sys.stderr.flush()
+        line = sys.stdin.readline()
+        if not line:
+            break
+        prompt = line.rstrip("\r\n")
+        if prompt.strip() in ("exit", "quit"):
+            break
+        if stream and sampling.num_beams == 1:
+            _stream_one(gen, prompt, sampling)
+        else:
+            _write(gen.generate(prompt, sampling)[0].text)
+        _write("\n")
+    return 0
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from llmkit.generate import Sampling
+    from llmkit import hardware
+    from llmkit.generate import Generator
     from llmkit.run import load_run
 
-    run = load_run(args.run, which=args.weights)
-    sampling = Sampling(
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        seed=args.seed,
-    )
-    text = _complete(run, args.prompt, sampling)
-    sys.stdout.write(args.prompt + text + "\n")
+    sampling = _sampling_from_args(args)
+    device = hardware.choose_device(args.device)
+    run = load_run(args.run, which=args.weights, device=str(device))
+    try:
+        gen = Generator(run, quantize=args.quantize)
+    except ValueError as exc:
+        raise LlmkitError(str(exc)) from exc
+    if args.interactive:
+        return _interactive(gen, sampling, args.stream)
+    prompts = args.prompt or [""]
+    if args.stream and sampling.num_beams > 1:
+        raise LlmkitError("--stream needs sampling or greedy decoding (--num-beams 1)")
+    if args.stream and not args.json:
+        for i, prompt in enumerate(prompts):
+            if i:
+                _write("\n")
+            _write(prompt)
+            _stream_one(gen, prompt, sampling)
+            _write("\n")
+        return 0
+    results = gen.generate(prompts, sampling)
+    if args.json:
+        out = [
+            {
+                "prompt": p,
+                "text": r.text,
+                "ids": r.ids,
+                "finish_reason": r.finish_reason,
+                "score": r.score,
+            }
+            for p, r in zip(prompts, results)
+        ]
+        _write(json.dumps(out if len(out) > 1 else out[0], ensure_ascii=False) + "\n")
+        return 0
+    for i, (prompt, r) in enumerate(zip(prompts, results)):
+        if i:
+            _write("\n")
+        _write(prompt + r.text + "\n")
     return 0
 
 
@@ -379,24 +648,152 @@ def cmd_eval(args: argparse.Namespace) -> int:
         tokens = torch.tensor(run.tokenizer.encode(text), dtype=torch.long)
         if tokens.numel() < 2:
             raise LlmkitError(f"--data: {path} has fewer than 2 tokens")
-        res = evaluate_batches(run.model, full_text_batches(tokens, block, args.batch_size), device)
-        res.text_bytes = len(text.encode("utf-8"))
+        text_bytes = len(text.encode("utf-8"))
         source = str(path)
     else:
         from llmkit.data import prepare_data
 
         data = prepare_data(run.spec, run.run_dir, run.tokenizer, log=lambda _m: None)
         tokens = torch.from_numpy(data.validation.array.astype("int64"))
-        res = evaluate_batches(run.model, full_text_batches(tokens, block, args.batch_size), device)
-        res.text_bytes = data.validation.n_bytes_text
+        text_bytes = data.validation.n_bytes_text
         source = "validation split"
+
+    def evaluate(model: Any) -> Any:
+        res = evaluate_batches(model, full_text_batches(tokens, block, args.batch_size), device)
+        res.text_bytes = text_bytes
+        return res
+
+    res = evaluate(run.model)
     con = _console()
     con.print(f"{run.weights} on {source}: {res.tokens:,} tokens", markup=False)
     con.print(f"loss {res.loss:.4f} nats/token, perplexity {res.ppl:.3f}")
     if res.bits_per_byte is not None:
         con.print(f"{res.nats_per_byte:.4f} nats/byte, {res.bits_per_byte:.4f} bits/byte")
+    report = res.as_dict()
+    if args.quantize:
+        from llmkit.quantize import quantize_model, weight_bytes
+
+        try:
+            qmodel = quantize_model(run.model, args.quantize)
+        except ValueError as exc:
+            raise LlmkitError(str(exc)) from exc
+        qres = evaluate(qmodel)
+        base_bytes, q_bytes = weight_bytes(run.model), weight_bytes(qmodel)
+        dtype = str(next(run.model.parameters()).dtype).removeprefix("torch.")
+        info = qmodel.quantization
+        table = _table("weights", "bytes", "loss", "perplexity", "bits/byte")
+        for name, nbytes, r in ((dtype, base_bytes, res), (args.quantize, q_bytes, qres)):
+            bpb = f"{r.bits_per_byte:.4f}" if r.bits_per_byte is not None else "-"
+            table.add_row(name, _bytes(nbytes), f"{r.loss:.4f}", f"{r.ppl:.3f}", bpb)
+        con.print(table)
+        con.print(
+            f"{args.quantize} ({info.backend}, {info.linears} linear layers): weights "
+            f"{base_bytes / max(q_bytes, 1):.2f}× smaller, loss {qres.loss - res.loss:+.5f} "
+            f"nats/token, perplexity {100 * (qres.ppl / res.ppl - 1):+.2f}%",
+            markup=False,
+        )
+        report["weight_bytes"] = base_bytes
+        report[args.quantize] = {
+            **qres.as_dict(),
+            "weight_bytes": q_bytes,
+            "backend": info.backend,
+            "linear_layers": info.linears,
+        }
     if args.json:
-        con.print_json(json.dumps(res.as_dict()))
+        con.print_json(json.dumps(report))
+    return 0
+
+
+def _bench_help(args: argparse.Namespace) -> int:
+    args.bench_parser.print_help()
+    return 0
+
+
+def cmd_bench_generate(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    import torch
+
+    from llmkit import hardware
+    from llmkit.bench_generate import bench_generate
+
+    device = hardware.choose_device(args.device)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    path = Path(args.run)
+    if path.is_file():  # a spec file: random weights of that shape
+        from llmkit.model import build_model
+
+        rs = _load(args.run, args.set)
+        torch.manual_seed(0)
+        model = build_model(rs).to(device).eval()
+        name = rs.spec.name or path.stem
+    else:
+        from llmkit.run import load_run
+
+        if args.set:
+            raise LlmkitError("--set applies to a spec file, not a run directory")
+        model = load_run(args.run, which=args.weights, device=str(device)).model
+        name = str(path)
+    params = model.num_params()
+    if args.quantize:
+        from llmkit.quantize import quantize_model
+
+        try:
+            model = quantize_model(model, args.quantize)
+        except ValueError as exc:
+            raise LlmkitError(str(exc)) from exc
+    from llmkit.generate import prepare_for_decoding
+
+    prepare_for_decoding(model)
+    try:
+        sizes = tuple(int(b) for b in args.batch_sizes.split(",") if b.strip())
+    except ValueError as exc:
+        raise LlmkitError(f"--batch-sizes: expected e.g. 1,8; got {args.batch_sizes!r}") from exc
+    if not sizes or min(sizes) < 1:
+        raise LlmkitError(f"--batch-sizes: expected positive integers, got {args.batch_sizes!r}")
+    if args.new_tokens < 2 or args.prompt_len < 1 or args.repeats < 1:
+        raise LlmkitError("--new-tokens must be ≥ 2, --prompt-len and --repeats ≥ 1")
+    rows = bench_generate(
+        model,
+        batch_sizes=sizes,
+        prompt_len=args.prompt_len,
+        new_tokens=args.new_tokens,
+        repeats=args.repeats,
+    )
+    meta = {
+        "model": name,
+        "device": str(device),
+        "threads": torch.get_num_threads(),
+        "quantize": args.quantize,
+        "params": params,
+    }
+    if args.json:
+        _write(json.dumps({**meta, "results": [r.as_dict() for r in rows]}) + "\n")
+        return 0
+    con = _console()
+    con.print(
+        f"{name}: {meta['params']:,} parameters on {device} ({meta['threads']} threads)"
+        + (f", {args.quantize}" if args.quantize else "")
+        + ("" if model.supports_kv_cache else ", no KV cache (full forward per token)"),
+        markup=False,
+    )
+    table = _table(
+        "batch", "prompt", "new", "prefill tok/s", "TTFT", "decode tok/s", "peak mem", "KV cache"
+    )
+    con.print(f"weights {_bytes(rows[0].weight_bytes)}", markup=False)
+    for r in rows:
+        table.add_row(
+            str(r.batch_size),
+            str(r.prompt_len),
+            str(r.new_tokens),
+            f"{r.prefill_tokens_per_s:,.0f}",
+            f"{1000 * r.ttft_s:.1f} ms",
+            f"{r.decode_tokens_per_s:,.1f}",
+            _bytes(r.peak_memory_bytes),
+            _bytes(r.kv_cache_bytes),
+        )
+    con.print(table)
     return 0
 
 
@@ -425,8 +822,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("kind")
     p.add_argument("name")
 
-    p = add("plugins", cmd_plugins, "list plugins, what they registered, and failures")
+    p = add("plugins", cmd_plugins, "list plugins, what they provide, failures and overrides")
     p.add_argument("-v", "--verbose", action="store_true", help="list every component")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+
+    from llmkit.scaffold import KINDS as SCAFFOLD_KINDS  # stdlib only: stays import-light
+
+    plugin = add("plugin", _plugin_help, "plugin authoring: `llmkit plugin new NAME`")
+    plugin.set_defaults(plugin_parser=plugin)
+    actions = plugin.add_subparsers(dest="plugin_command", metavar="ACTION")
+    p = actions.add_parser(
+        "new",
+        help="generate a plugin package that installs and passes its own tests",
+        description="Generate a plugin package in DIR/NAME: pyproject.toml declaring the "
+        "llmkit entry point, one component of KIND with its options model, tests running the "
+        "conformance suite, and a README.",
+    )
+    p.set_defaults(func=cmd_plugin_new)
+    p.add_argument("name", metavar="NAME", help="distribution name, e.g. llmkit-my-ffn")
+    p.add_argument("--kind", choices=SCAFFOLD_KINDS, default="ffn", help="default: ffn")
+    p.add_argument("--dir", default=".", help="where to create NAME/ (default: here)")
+    p.add_argument(
+        "--component", help="the name specs use (default: NAME without 'llmkit-', '-' → '_')"
+    )
 
     p = add("validate", cmd_validate, "validate spec files")
     p.add_argument("specs", nargs="+", metavar="SPEC")
@@ -464,17 +882,75 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--weights", choices=["final", "best", "latest"], default="final")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--device", default="auto")
+    p.add_argument(
+        "--quantize",
+        choices=["int8"],
+        help="also evaluate int8 weights: prints both sizes, losses and perplexities",
+    )
     p.add_argument("--json", action="store_true")
 
     p = add("generate", cmd_generate, "generate text from a trained run")
     p.add_argument("run", help="run directory or checkpoint directory")
-    p.add_argument("--prompt", default="", help="text to continue")
+    p.add_argument(
+        "--prompt",
+        action="append",
+        help="text to continue (repeat for a batch; default: a new document)",
+    )
     p.add_argument("--max-new-tokens", type=int, default=200)
     p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--top-k", type=int, default=None, help="sample among the k most likely")
+    p.add_argument("--top-p", type=float, default=None, help="nucleus: smallest set of mass p")
+    p.add_argument(
+        "--min-p", type=float, default=None, help="drop tokens below min-p × the top probability"
+    )
+    p.add_argument(
+        "--repetition-penalty", type=float, default=1.0, help="> 1 discourages repeated tokens"
+    )
+    p.add_argument("--num-beams", type=int, default=1, help="> 1: beam search (deterministic)")
+    p.add_argument(
+        "--length-penalty", type=float, default=1.0, help="beam score = log p / length**this"
+    )
+    p.add_argument(
+        "--no-early-stopping",
+        action="store_true",
+        help="beam search: go on while a running beam can still win",
+    )
+    p.add_argument(
+        "--stop", action="append", metavar="TEXT", help="stop at this text (repeatable; \\n ok)"
+    )
+    p.add_argument("--ignore-eos", action="store_true", help="do not stop at the EOS token")
     p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stream", action="store_true", help="print tokens as they are generated")
+    p.add_argument(
+        "--interactive", action="store_true", help="read prompts from stdin until EOF or `exit`"
+    )
+    p.add_argument("--quantize", choices=["int8"], help="int8 weights (smaller; CPU: faster)")
+    p.add_argument("--device", default="cpu", help="cpu (default), cuda, mps or auto")
+    p.add_argument("--json", action="store_true", help="print text, ids and finish reasons")
     p.add_argument("--weights", choices=["final", "best", "latest"], default="final")
+
+    bench = add("bench", _bench_help, "benchmarks: `llmkit bench generate RUN`")
+    bench.set_defaults(bench_parser=bench)
+    benches = bench.add_subparsers(dest="bench_command", metavar="BENCH")
+    p = benches.add_parser(
+        "generate",
+        help="generation speed: prefill and decode tokens/s, time to first token, memory",
+        description="Time greedy generation on random prompts at each batch size: prompt "
+        "processing and decoding tokens/s, time to first token, peak memory and KV-cache "
+        "size (medians of --repeats runs after a warm-up).",
+    )
+    p.set_defaults(func=cmd_bench_generate)
+    p.add_argument("run", help="run or checkpoint directory, or a spec file (random weights)")
+    p.add_argument("--batch-sizes", default="1,8", help="comma-separated (default: 1,8)")
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--quantize", choices=["int8"])
+    p.add_argument("--device", default="cpu", help="cpu (default), cuda, mps or auto")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override (spec file)")
+    p.add_argument("--weights", choices=["final", "best", "latest"], default="final")
+    p.add_argument("--json", action="store_true", help="print the results as JSON")
     return parser
 
 

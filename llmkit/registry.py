@@ -2,7 +2,9 @@
 
 Plugins are loaded one at a time from the ``llmkit`` entry-point group; each hook
 implementation is called with a ``register`` callback bound to its provider, so a plugin
-that fails to import or to register is recorded by name and the rest still load.
+that fails to import or to register is recorded by name and the rest still load. The
+built-in plugin loads first, and every plugin's ``register_kinds`` runs before any plugin's
+``register_components`` (a plugin may use a kind another plugin declares).
 
 Environment:
 - ``LLMKIT_PLUGINS``: comma-separated entry-point names to load besides the built-in one
@@ -30,6 +32,8 @@ from llmkit import hookspecs
 from llmkit.errors import PluginError, RegistryError
 
 BUILTIN_PLUGIN = "builtin"
+#: The hooks llmkit calls on every plugin, in this order (all plugins' kinds first).
+REGISTRATION_HOOKS = ("register_kinds", "register_components")
 CATALOGUE = Path(__file__).with_name("registry.toml")
 
 
@@ -160,34 +164,59 @@ class Registry:
 
     # -- loading ---------------------------------------------------------------------------
     def load_entry_points(self, allow: Iterable[str] | None = None) -> None:
-        """Load the built-in plugin and the entry points named in ``allow`` (None = all)."""
+        """Load the built-in plugin and the entry points named in ``allow`` (None = all).
+
+        The built-in plugin comes first. Every plugin's ``register_kinds`` runs before any
+        plugin's ``register_components``, so a plugin can register components of a kind that
+        llmkit or another plugin declares, whatever the order of their names.
+        """
         self.winners = _load_winners()
-        eps = sorted(md.entry_points(group=hookspecs.PROJECT), key=lambda e: e.name)
+        eps = sorted(
+            md.entry_points(group=hookspecs.PROJECT),
+            key=lambda e: (e.name != BUILTIN_PLUGIN, e.name),
+        )
         seen = set()
         allowed = None if allow is None else set(allow)
+        loaded: list[PluginInfo] = []
         for ep in eps:
+            dist, version = _dist_of(ep)
+            if ep.name == BUILTIN_PLUGIN and dist != "llmkit":
+                name = f"{ep.name} ({dist})"  # keep the name of llmkit's own plugin free
+                self._fail(PluginInfo(name, dist, version), "reserved plugin name 'builtin'")
+                continue
             if ep.name in seen:
                 continue
             seen.add(ep.name)
             if ep.name != BUILTIN_PLUGIN and allowed is not None and ep.name not in allowed:
-                continue
-            dist, version = _dist_of(ep)
-            if ep.name == BUILTIN_PLUGIN and dist != "llmkit":
-                self._fail(PluginInfo(ep.name, dist, version), "reserved plugin name 'builtin'")
                 continue
             try:
                 plugin = ep.load()
             except Exception as exc:
                 self._fail(PluginInfo(ep.name, dist, version), f"{type(exc).__name__}: {exc}")
                 continue
-            self.add_plugin(plugin, ep.name, dist, version)
+            info = self._register(plugin, ep.name, dist, version)
+            if info.error is None:
+                loaded.append(info)
         if BUILTIN_PLUGIN not in self.plugins:  # e.g. running from a source tree
             from llmkit.components import builtin
 
-            self.add_plugin(builtin, BUILTIN_PLUGIN, "llmkit", _own_version())
+            info = self._register(builtin, BUILTIN_PLUGIN, "llmkit", _own_version())
+            loaded.insert(0, info)
+        for hook_name in REGISTRATION_HOOKS:
+            for info in loaded:
+                self._call(info, hook_name)
 
     def add_plugin(self, plugin: Any, name: str, distribution: str, version: str) -> PluginInfo:
         """Register one plugin object and run its hooks, isolating its failures."""
+        info = self._register(plugin, name, distribution, version)
+        if info.error is None:
+            for hook_name in REGISTRATION_HOOKS:
+                self._call(info, hook_name)
+        return info
+
+    def _register(self, plugin: Any, name: str, distribution: str, version: str) -> PluginInfo:
+        """Add ``plugin`` to the plugin manager and catch misspelled hooks (check_pending);
+        the returned info has ``error`` set if that failed."""
         info = PluginInfo(name, distribution, version)
         try:
             self.pm.register(plugin, name=name)
@@ -198,18 +227,21 @@ class Registry:
             self._fail(info, f"{type(exc).__name__}: {exc}")
             return info
         self.plugins[name] = info
-        for hook_name, bind in (
-            ("register_kinds", self._kind_registrar),
-            ("register_components", self._component_registrar),
-        ):
-            for impl in getattr(self.pm.hook, hook_name).get_hookimpls():
-                if impl.plugin_name != name:
-                    continue
-                try:
-                    impl.function(register=bind(info))
-                except Exception as exc:
-                    self._fail(info, f"{hook_name}: {type(exc).__name__}: {exc}")
         return info
+
+    def _call(self, info: PluginInfo, hook_name: str) -> None:
+        """Run ``info``'s implementation of ``hook_name`` with a ``register`` bound to it."""
+        bind = {
+            "register_kinds": self._kind_registrar,
+            "register_components": self._component_registrar,
+        }[hook_name]
+        for impl in getattr(self.pm.hook, hook_name).get_hookimpls():
+            if impl.plugin_name != info.name:
+                continue
+            try:
+                impl.function(register=bind(info))
+            except Exception as exc:
+                self._fail(info, f"{hook_name}: {type(exc).__name__}: {exc}")
 
     def _fail(self, info: PluginInfo, error: str) -> None:
         info.error = error

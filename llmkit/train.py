@@ -145,9 +145,7 @@ class Trainer:
                 f"data.block_size ({self.block_size}) exceeds model.max_seq_len "
                 f"({self.rs.model.max_seq_len})"
             )
-        self.sampler = make_sampler(
-            self.rs.spec.data.sampling, data.train, self.block_size, t.seed
-        )
+        self.sampler = make_sampler(self.rs.spec.data.sampling, data.train, self.block_size, t.seed)
 
         torch.manual_seed(t.seed)
         self.model = build_model(self.rs).to(self.device)

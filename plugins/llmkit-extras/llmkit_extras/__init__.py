@@ -1,0 +1,64 @@
+"""llmkit-extras: components registered through llmkit's ``register_components`` hook.
+
+Every target is a lazy ``"module:attr"`` string, so loading this plugin (``llmkit list``,
+``llmkit plugins``) imports neither torch nor the component modules; a component's module is
+imported the first time a spec or a command uses it. Capabilities declared here are what the
+spec resolver, the model's accounting and the conformance suite read
+(see docs/plugins/contracts.md in the llmkit repository).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from llmkit import hookimpl
+
+__version__ = "0.1.0"
+
+ALL_POSITIONS = ["embedding", "qk", "score_bias"]
+
+
+@hookimpl
+def register_components(register: Callable[..., Any]) -> None:
+    register(
+        "attention",
+        "qk_norm",
+        "llmkit_extras.qk_norm:QKNormAttention",
+        summary="Softmax attention on RMS-normalized queries and keys (QK-norm), "
+        "bounding attention logits",
+        capabilities={
+            "positions": ALL_POSITIONS,
+            "kv_cache": True,
+            "gqa": True,
+            # Normalizing q and k changes the math on purpose: the suite skips the comparison
+            # with reference_attention (our own tests compare with it after normalizing).
+            "approximate": True,
+        },
+    )
+    register(
+        "norm",
+        "dyt",
+        "llmkit_extras.dyt:DynamicTanh",
+        summary="Dynamic Tanh, weight·tanh(α·x) + bias: a normalization-free norm "
+        "replacement (Zhu et al. 2025)",
+    )
+    register(
+        "norm",
+        "scalenorm",
+        "llmkit_extras.scalenorm:ScaleNorm",
+        summary="ScaleNorm, g·x/‖x‖ with one learned scalar (Nguyen & Salazar 2019)",
+    )
+    register(
+        "optimizer",
+        "ademamix",
+        "llmkit_extras.ademamix:build",
+        summary="AdEMAMix: AdamW plus a slow momentum EMA mixed into the update "
+        "(Pagliardini et al. 2024)",
+    )
+    register(
+        "schedule",
+        "rex",
+        "llmkit_extras.rex:build",
+        summary="REX: warmup, then (1−p)/(½+½(1−p)) decay to the floor (Chen et al. 2022)",
+    )

@@ -1,0 +1,48 @@
+"""ScaleNorm (Nguyen & Salazar 2019, "Transformers without Tears: Improving the
+Normalization of Self-Attention").
+
+``ScaleNorm(x) = g · x / max(‖x‖₂, eps)``: the vector is projected onto a sphere of learned
+radius ``g`` (one scalar per norm, initialized to √d). One parameter instead of d (or 2d),
+and the paper reports faster convergence than LayerNorm in low-resource translation.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from pydantic import Field
+from torch import Tensor, nn
+
+from llmkit.components.base import BuildContext, ComponentOptions
+
+
+class ScaleNormOptions(ComponentOptions):
+    """Options of ScaleNorm."""
+
+    eps: float = Field(1e-5, gt=0.0, description="Lower bound of the norm ‖x‖ (no division by 0).")
+    scale_init: float | None = Field(
+        None, gt=0.0, description="Initial g; unset = √d as in the paper."
+    )
+
+
+class ScaleNorm(nn.Module):
+    """``g · x / max(‖x‖, eps)`` over the last dimension with one learned scalar g
+    (Nguyen & Salazar 2019). Computed in float32 and cast back to the input dtype."""
+
+    Options = ScaleNormOptions
+
+    def __init__(self, options: ScaleNormOptions, ctx: BuildContext) -> None:
+        super().__init__()
+        self.options = options
+        self.features = ctx.features
+        init = options.scale_init if options.scale_init is not None else math.sqrt(self.features)
+        self.scale = nn.Parameter(torch.full((1,), float(init)))
+
+    def forward(self, x: Tensor) -> Tensor:
+        xf = x.float()
+        norm = xf.norm(dim=-1, keepdim=True).clamp(min=self.options.eps)
+        return (self.scale.float() * xf / norm).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.features}, eps={self.options.eps}"

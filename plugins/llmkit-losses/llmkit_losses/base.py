@@ -1,0 +1,68 @@
+"""The contract of the ``loss`` kind, and helpers its components share.
+
+A loss is an ``nn.Module`` built as ``Loss(options)`` from its pydantic ``Options`` (extra
+keys forbidden). ``forward(logits, targets)`` takes logits (..., V) in any float dtype and
+integer targets (...) of the same leading shape, and returns a 0-dim float32 tensor: the mean
+over every target that is not ``options.ignore_index`` (so it does not depend on the batch
+size; 0 with a zero gradient when every target is ignored). Logits at ignored positions do
+not affect it. It may report metrics through llmkit's ``SideOutputs``
+(``self.report_metric``), e.g. the parts of a composite objective.
+
+Importing this module registers :func:`llmkit_losses.conformance.check_loss` as the
+conformance check of the kind.
+"""
+
+from __future__ import annotations
+
+import torch
+from pydantic import Field
+from torch import Tensor, nn
+
+from llmkit.components.base import ComponentOptions, SideOutputs
+from llmkit_losses import conformance
+
+conformance.register_check()
+
+IGNORE_INDEX = -100
+
+
+class LossOptions(ComponentOptions):
+    """Options every loss shares."""
+
+    ignore_index: int = Field(
+        IGNORE_INDEX, description="Targets with this value are left out (padding, prompts)."
+    )
+
+
+class Loss(SideOutputs, nn.Module):
+    """Base of ``loss`` components: ``(logits (..., V), targets (...)) → scalar`` mean over
+    non-ignored targets, computed in float32."""
+
+    Options = LossOptions
+
+    def __init__(self, options: LossOptions) -> None:
+        super().__init__()
+        self.options = options
+
+    def forward(self, logits: Tensor, targets: Tensor) -> Tensor:  # pragma: no cover
+        raise NotImplementedError
+
+    def extra_repr(self) -> str:
+        return ", ".join(f"{k}={v}" for k, v in self.options.model_dump().items())
+
+
+def flatten(logits: Tensor, targets: Tensor, ignore_index: int) -> tuple[Tensor, Tensor, Tensor]:
+    """``(logits (N, V) float32, targets (N,), keep (N,) bool)`` from any leading shape."""
+    if logits.shape[:-1] != targets.shape:
+        raise ValueError(
+            f"logits {tuple(logits.shape)} and targets {tuple(targets.shape)} disagree: "
+            "expected logits (..., V) and targets (...)"
+        )
+    flat = logits.reshape(-1, logits.shape[-1]).float()
+    tgt = targets.reshape(-1)
+    return flat, tgt, tgt != ignore_index
+
+
+def masked_mean(values: Tensor, keep: Tensor) -> Tensor:
+    """Mean of ``values`` (N,) over ``keep``; 0 (with a zero gradient) when nothing is kept."""
+    return torch.where(keep, values, 0.0).sum() / keep.sum().clamp(min=1)
