@@ -388,11 +388,17 @@ def cmd_info(args: argparse.Namespace) -> int:
         f"position: {_ref(rs.position)}   final norm: {_ref(rs.norm) if m.final_norm else 'none'}",
         markup=False,
     )
-    table = _table("layer", "attention", "ffn", "norm", "position")
-    for j, plan in enumerate(rs.layers):
-        table.add_row(
-            str(j), *(_ref(getattr(plan, s)) for s in ("attention", "ffn", "norm", "position"))
-        )
+    table = _table("layers", "attention", "ffn", "norm", "position")
+    rows = [
+        tuple(_ref(getattr(plan, s)) for s in ("attention", "ffn", "norm", "position"))
+        for plan in rs.layers
+    ]
+    start = 0
+    for j in range(1, len(rows) + 1):  # consecutive identical layers share one row
+        if j == len(rows) or rows[j] != rows[start]:
+            label = str(start) if j - 1 == start else f"{start}-{j - 1}"
+            table.add_row(label, *rows[start])
+            start = j
     con.print(table)
     seq = args.seq_len or m.max_seq_len
     batch = args.batch_size
