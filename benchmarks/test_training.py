@@ -17,8 +17,11 @@ CPU_SPECS = ["tiny.toml", "shakespeare-char.toml", "baby-gpt.toml"]
 
 
 def _spec(name: str):
-    quick = [] if FULL else ["model.n_layers=1", "model.max_seq_len=32", "model.d_model=64",
-                             "model.n_heads=2"]
+    quick = (
+        []
+        if FULL
+        else ["model.n_layers=1", "model.max_seq_len=32", "model.d_model=64", "model.n_heads=2"]
+    )
     rs = load_spec(SPECS / name, quick)
     batch = rs.spec.train.batch_size if FULL else 2
     seq = rs.spec.data.block_size or rs.model.max_seq_len

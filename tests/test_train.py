@@ -263,11 +263,17 @@ def _quiet(**kw):
 def test_gradient_accumulation_matches_one_big_batch(tmp_path):
     """2 micro-batches of 4 give the same first step as one batch of 8 (dropout off)."""
     runs = {}
-    for name, sets in {"big": ["train.batch_size=8"],
-                       "accum": ["train.batch_size=4", "train.grad_accum=2"]}.items():
+    for name, sets in {
+        "big": ["train.batch_size=8"],
+        "accum": ["train.batch_size=4", "train.grad_accum=2"],
+    }.items():
         spec = write_spec(tmp_path / name, max_steps=3, eval_interval=3)
-        result = train(spec, run_dir=tmp_path / name / "run",
-                       overrides=[*sets, "model.dropout=0.0"], **_quiet())
+        result = train(
+            spec,
+            run_dir=tmp_path / name / "run",
+            overrides=[*sets, "model.dropout=0.0"],
+            **_quiet(),
+        )
         runs[name] = [m for m in result.history if "loss" in m]
     # the same 8 sequences reach the optimizer either way; sums differ only by rounding
     for a, b in zip(runs["big"], runs["accum"]):
@@ -279,9 +285,12 @@ def test_activation_checkpointing_gives_the_same_losses(tmp_path):
     losses = []
     for flag in (False, True):
         spec = write_spec(tmp_path / str(flag), max_steps=4, eval_interval=4)
-        result = train(spec, run_dir=tmp_path / str(flag) / "run",
-                       overrides=[f"train.activation_checkpointing={str(flag).lower()}",
-                                  "model.dropout=0.0"], **_quiet())
+        result = train(
+            spec,
+            run_dir=tmp_path / str(flag) / "run",
+            overrides=[f"train.activation_checkpointing={str(flag).lower()}", "model.dropout=0.0"],
+            **_quiet(),
+        )
         losses.append([m["loss"] for m in result.history if "loss" in m])
     assert losses[0] == pytest.approx(losses[1], abs=1e-5)
 
@@ -330,5 +339,9 @@ def test_fp16_is_refused_on_cpu(tmp_path):
 def test_data_errors_are_clear(tmp_path):
     spec = write_spec(tmp_path, max_steps=3)
     with pytest.raises(LlmkitError, match="nope"):
-        train(spec, run_dir=tmp_path / "run",
-              overrides=[f'data.source.paths=["{tmp_path / "nope.txt"}"]'], **_quiet())
+        train(
+            spec,
+            run_dir=tmp_path / "run",
+            overrides=[f'data.source.paths=["{tmp_path / "nope.txt"}"]'],
+            **_quiet(),
+        )
