@@ -247,15 +247,10 @@ class TableSourceOptions(FileSourceOptions):
     )
 
 
-class TableSource:
-    """Local files loaded with ``datasets.load_dataset(builder, data_files=...)``, one
-    document per row; validation is ``val_paths`` or a seeded share of the rows."""
+class FileSource:
+    """Base of sources reading local files: ``paths`` (and optional ``val_paths``)."""
 
-    builder = ""  # "json", "parquet", ...
-    label = ""
-    Options = TableSourceOptions
-
-    def __init__(self, options: TableSourceOptions) -> None:
+    def __init__(self, options: FileSourceOptions) -> None:
         self.options = options
         self._summary: str | None = None
 
@@ -263,8 +258,18 @@ class TableSource:
         return train_val_files(self.options.paths, self.options.val_paths)
 
     def fingerprint(self) -> str:
+        """Changes when any input file's path, size or modification time changes."""
         train, val = self._files()
         return files_fingerprint([*train, *(val or [])])
+
+
+class TableSource(FileSource):
+    """Local files loaded with ``datasets.load_dataset(builder, data_files=...)``, one
+    document per row; validation is ``val_paths`` or a seeded share of the rows."""
+
+    builder = ""  # "json", "parquet", ...
+    label = ""
+    Options = TableSourceOptions
 
     def splits(self, seed: int) -> datasets.DatasetDict:
         o = self.options

@@ -2,20 +2,18 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field
 
 from llmkit.components.dataset import (
+    FileSource,
     FileSourceOptions,
     dataset_dict,
-    files_fingerprint,
     human_bytes,
     read_utf8,
     split_by_hash,
     text_dataset,
-    train_val_files,
 )
 from llmkit.errors import LlmkitError
 
@@ -36,22 +34,11 @@ class Options(FileSourceOptions):
     )
 
 
-class TextFiles:
+class TextFiles(FileSource):
     """Text files or globs. ``split="tail"`` holds out the end of every file, ``"file"``
     whole files; ``val_paths`` names the validation files explicitly."""
 
     Options = Options
-
-    def __init__(self, options: Options) -> None:
-        self.options = options
-        self._summary: str | None = None
-
-    def _files(self) -> tuple[list[Path], list[Path] | None]:
-        return train_val_files(self.options.paths, self.options.val_paths)
-
-    def fingerprint(self) -> str:
-        train, val = self._files()
-        return files_fingerprint([*train, *(val or [])])
 
     def splits(self, seed: int) -> datasets.DatasetDict:
         o = self.options
