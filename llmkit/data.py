@@ -371,13 +371,9 @@ def _n_blocks(n_tokens: int, block_size: int, what: str) -> int:
     return (n_tokens - 1) // block_size
 
 
-class BlockSampler:
-    """Packed training blocks: block ``i`` is tokens ``[s + i·B, s + i·B + B + 1)`` for
-    ``B = block_size`` (x = block[:-1], y = block[1:]), visited in a permutation seeded by
-    ``(seed, epoch)``; the grid offset ``s`` is 0 in the first epoch and a seeded shift
-    within the spare tokens afterwards. With ``world_size > 1`` each rank takes its own
-    contiguous, disjoint slice of every epoch's permutation (all ranks get the same number of
-    blocks)."""
+class _Sampler:
+    """What every training sampler holds: the tokens, the block size, the seed and this
+    rank's place; construction fails clearly for a bad rank or a corpus under one block."""
 
     def __init__(
         self,
@@ -397,6 +393,27 @@ class BlockSampler:
         self.rank = rank
         self.world_size = world_size
         self.n_blocks = _n_blocks(len(data), block_size, f"{name} split")
+
+
+class BlockSampler(_Sampler):
+    """Packed training blocks: block ``i`` is tokens ``[s + i·B, s + i·B + B + 1)`` for
+    ``B = block_size`` (x = block[:-1], y = block[1:]), visited in a permutation seeded by
+    ``(seed, epoch)``; the grid offset ``s`` is 0 in the first epoch and a seeded shift
+    within the spare tokens afterwards. With ``world_size > 1`` each rank takes its own
+    contiguous, disjoint slice of every epoch's permutation (all ranks get the same number of
+    blocks)."""
+
+    def __init__(
+        self,
+        data: TokenFile | np.ndarray,
+        block_size: int,
+        seed: int = 0,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        name: str = "train",
+    ) -> None:
+        super().__init__(data, block_size, seed, rank=rank, world_size=world_size, name=name)
         if self.n_blocks >= 2 * world_size:  # keep a block spare so epochs can shift the grid
             self.n_blocks -= 1
         self.spare = len(data) - 1 - self.n_blocks * block_size
@@ -475,7 +492,7 @@ class BlockSampler:
         self.epoch, self.index = epoch, index
 
 
-class RandomWindowSampler:
+class RandomWindowSampler(_Sampler):
     """Windows of ``block_size + 1`` tokens starting anywhere, drawn i.i.d. (nanoGPT's
     ``get_batch``). Batch ``n`` is a function of ``(seed, rank, n)`` alone, so the state is
     one counter and a resumed run draws exactly the batches an uninterrupted one would."""
@@ -490,9 +507,7 @@ class RandomWindowSampler:
         world_size: int = 1,
         name: str = "train",
     ) -> None:
-        _n_blocks(len(data), block_size, f"{name} split")  # errors for a too-short corpus
-        self.data, self.block_size, self.seed, self.rank = data, block_size, seed, rank
-        self.world_size = world_size
+        super().__init__(data, block_size, seed, rank=rank, world_size=world_size, name=name)
         self.draws = 0
 
     def next_batch(self, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
