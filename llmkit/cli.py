@@ -92,6 +92,9 @@ def cmd_show(args: argparse.Namespace) -> int:
         con.print(doc, markup=False)
     caps = ", ".join(f"{k}={v}" for k, v in rec.capabilities.items()) or "none declared"
     con.print(f"capabilities: {caps}", markup=False)
+    runtime = getattr(rec.load(), "runtime_backend", None)
+    if callable(runtime):
+        con.print(f"runtime: {runtime()}", markup=False)
     fields = model.model_fields
     if not fields:
         con.print("options: none")
@@ -966,12 +969,25 @@ def _version() -> str:
     return f"llmkit {__version__}"
 
 
+def _log_to_stderr() -> None:
+    """Show llmkit's INFO log lines (e.g. a kernel falling back to its reference) as notes."""
+    import logging
+
+    logger = logging.getLogger("llmkit")
+    if not logger.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("note: %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
         return 0
+    _log_to_stderr()
     try:
         return int(args.func(args) or 0)
     except LlmkitError as exc:
