@@ -5,11 +5,14 @@ Layout of ``<run>/checkpoints/``::
     step-000400/model.safetensors   weights
     step-000400/state.pt            optimizer, data position, RNG, counters (weights_only)
     step-000400/meta.json           step, val loss, time
+    step-000400/rank-00001.pt       each rank's RNG state (multi-process runs)
+    step-000400/dcp/                model + optimizer shards (FSDP, torch.distributed.checkpoint)
     latest.json, best.json          pointers, each replaced atomically
 
 A checkpoint directory is written under a temporary name and renamed into place, then the
 pointer is replaced with ``os.replace``: a crash at any moment leaves the previous
-``latest`` intact and loadable.
+``latest`` intact and loadable. In a multi-process run every rank writes its part into the
+temporary directory, and rank 0 renames it only after all ranks are done (a barrier).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import json
 import os
 import random
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +35,12 @@ from llmkit.errors import LlmkitError
 WEIGHTS = "model.safetensors"
 STATE = "state.pt"
 META = "meta.json"
+SHARDS = "dcp"
+
+
+def rank_file(rank: int) -> str:
+    """The per-rank state file's name in a checkpoint directory."""
+    return f"rank-{rank:05d}.pt"
 
 
 def write_json_atomic(path: Path, data: Any) -> None:
@@ -102,29 +112,48 @@ class Checkpoints:
     def save(
         self,
         step: int,
-        model: nn.Module,
+        model: nn.Module | None,
         state: dict[str, Any],
         meta: dict[str, Any],
         *,
         best: bool = False,
+        dist: Any = None,
+        rank_state: dict[str, Any] | None = None,
+        write_shards: Callable[[Path], None] | None = None,
     ) -> Path:
-        self.dir.mkdir(parents=True, exist_ok=True)
+        """Write checkpoint ``step``. With ``dist`` (a multi-process
+        :class:`~llmkit.distributed.DistContext`) every rank calls this: rank 0 writes
+        ``model`` (its full weights) and ``state``, each rank its ``rank_state``, and
+        ``write_shards(dir)`` runs on every rank (sharded model/optimizer state)."""
+        main = dist is None or dist.is_main
         name = f"step-{step:06d}"
         final = self.dir / name
         tmp = self.dir / f".tmp-{name}"
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir()
-        save_model(model, str(tmp / WEIGHTS))
-        torch.save(state, tmp / STATE)
-        (tmp / META).write_text(json.dumps({"step": step, **meta}, indent=2) + "\n")
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        write_json_atomic(self.dir / "latest.json", {"step": step, "dir": name, **meta})
-        if best:
-            write_json_atomic(self.dir / "best.json", {"step": step, "dir": name, **meta})
-        self._prune()
+        if main:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            tmp.mkdir()
+        _barrier(dist)
+        if write_shards is not None:
+            write_shards(tmp / SHARDS)
+        if rank_state is not None:
+            torch.save(rank_state, tmp / rank_file(dist.rank if dist is not None else 0))
+        if main:
+            if model is not None:
+                save_model(model, str(tmp / WEIGHTS))
+            torch.save(state, tmp / STATE)
+            (tmp / META).write_text(json.dumps({"step": step, **meta}, indent=2) + "\n")
+        _barrier(dist)  # every rank's files are in place
+        if main:
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            write_json_atomic(self.dir / "latest.json", {"step": step, "dir": name, **meta})
+            if best:
+                write_json_atomic(self.dir / "best.json", {"step": step, "dir": name, **meta})
+            self._prune()
+        _barrier(dist)  # nobody reads `latest` before it moved
         return final
 
     def _pointer(self, which: str) -> Path | None:
@@ -149,6 +178,11 @@ class Checkpoints:
                 shutil.rmtree(p, ignore_errors=True)
         for p in self.dir.glob(".tmp-*"):
             shutil.rmtree(p, ignore_errors=True)
+
+
+def _barrier(dist: Any) -> None:
+    if dist is not None:
+        dist.barrier()
 
 
 def load_state(ckpt_dir: Path) -> dict[str, Any]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -485,6 +486,8 @@ def cmd_train(args: argparse.Namespace) -> int:
             max_time=args.max_time,
             progress=args.progress,
         )
+    if result.rank != 0:
+        return 0  # rank 0 reports for the job
     con = _console()
     val = f"{result.val_loss:.4f}" if result.val_loss is not None else "n/a"
     con.print(
@@ -718,6 +721,12 @@ def _bench_help(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_kernels(args: argparse.Namespace) -> int:
+    from llmkit.bench_kernels import run_cli
+
+    return run_cli(args)
+
+
 def cmd_bench_generate(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -938,7 +947,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print text, ids and finish reasons")
     p.add_argument("--weights", choices=["final", "best", "latest"], default="final")
 
-    bench = add("bench", _bench_help, "benchmarks: `llmkit bench generate RUN`")
+    bench = add(
+        "bench", _bench_help, "benchmarks: `llmkit bench generate RUN`, `llmkit bench kernels`"
+    )
     bench.set_defaults(bench_parser=bench)
     benches = bench.add_subparsers(dest="bench_command", metavar="BENCH")
     p = benches.add_parser(
@@ -960,6 +971,42 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override (spec file)")
     p.add_argument("--weights", choices=["final", "best", "latest"], default="final")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
+
+    p = benches.add_parser(
+        "kernels",
+        help="time every registered attention, ffn or norm component: time, TFLOP/s, memory",
+        description="Time every registered component of a kind (forward, and forward+backward) "
+        "over sequence lengths and head dims (attention) or token counts (ffn, norm): median "
+        "time, TFLOP/s (GB/s for norms), peak memory and the ratios against a baseline. "
+        "Prints a table and writes JSON and a PNG plot under --out. FLOP counts and the memory "
+        "measure are described in llmkit/bench_kernels.py.",
+    )
+    p.set_defaults(func=cmd_bench_kernels)
+    p.add_argument("--kind", default="attention", help="attention (default), ffn or norm")
+    p.add_argument("--device", default="cpu", help="cpu (default), cuda or auto")
+    p.add_argument("--dtype", help="float32, bfloat16 or float16 (default: bf16 CUDA, fp32 CPU)")
+    p.add_argument(
+        "--seq-lens",
+        help="comma-separated sequence lengths (attention) or token counts (ffn, norm); "
+        "default 256…4096 on CPU, 512…8192 on CUDA (tokens: 256…4096, 4096…65536)",
+    )
+    p.add_argument("--head-dims", help="comma-separated attention head dims (default: 64,128)")
+    p.add_argument("--components", help="comma-separated names (default: every registered one)")
+    p.add_argument("--modes", default="fwd,fwd+bwd", help="fwd, fwd+bwd or both (default)")
+    p.add_argument("--baseline", help="component the ratios compare with (default: sdpa, "
+                   "swiglu, rmsnorm)")  # fmt: skip
+    p.add_argument("--option", action="append", metavar="NAME.KEY=VALUE", help="an option")
+    p.add_argument("--batch", type=int, help="attention batch (default: 1 CPU, 16384/N CUDA)")
+    p.add_argument("--heads", type=int, help="attention heads (default: 8 CPU, 2048/D CUDA)")
+    p.add_argument("--d-model", type=int, help="ffn/norm width (default: 768 CPU, 4096 CUDA)")
+    p.add_argument(
+        "--causal", action=argparse.BooleanOptionalAction, default=True, help="default: causal"
+    )
+    p.add_argument("--repeats", type=int, default=5, help="timed repeats (median; default 5)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed calls first (default 2)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--quick", action="store_true", help="tiny shapes: a few seconds in all")
+    p.add_argument("--out", default="bench-kernels", help="where JSON and PNG go")
     return parser
 
 
@@ -988,16 +1035,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 0
     _log_to_stderr()
+    from llmkit import distributed
+
     try:
-        return int(args.func(args) or 0)
+        code = int(args.func(args) or 0)
     except LlmkitError as exc:
         if args.debug:
             raise
-        print(f"error: {exc}", file=sys.stderr)
-        return EXIT_USER_ERROR
+        where = f"[rank {os.environ['RANK']}] " if distributed.launched_world_size() > 1 else ""
+        print(f"error: {where}{exc}", file=sys.stderr)
+        code = EXIT_USER_ERROR
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
-        return 130
+        code = 130
+    distributed.exit_process(code)  # returns unless this process joined a process group
+    return code
 
 
 if __name__ == "__main__":  # pragma: no cover

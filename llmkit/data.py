@@ -399,9 +399,9 @@ class BlockSampler(_Sampler):
     """Packed training blocks: block ``i`` is tokens ``[s + i·B, s + i·B + B + 1)`` for
     ``B = block_size`` (x = block[:-1], y = block[1:]), visited in a permutation seeded by
     ``(seed, epoch)``; the grid offset ``s`` is 0 in the first epoch and a seeded shift
-    within the spare tokens afterwards. With ``world_size > 1`` each rank takes its own
-    contiguous, disjoint slice of every epoch's permutation (all ranks get the same number of
-    blocks)."""
+    within the spare tokens afterwards. With ``world_size > 1`` rank ``r`` takes every
+    ``world_size``-th block of the permutation from ``r`` on: disjoint shares of equal size,
+    and one step of N ranks reads exactly the blocks one process reads with an N× batch."""
 
     def __init__(
         self,
@@ -433,8 +433,8 @@ class BlockSampler(_Sampler):
         if epoch != self._order_epoch:
             rng = np.random.default_rng([self.seed % 2**63, epoch])
             perm = rng.permutation(self.n_blocks)
-            lo = self.rank * self.blocks_per_rank
-            self._order = perm[lo : lo + self.blocks_per_rank]
+            used = self.blocks_per_rank * self.world_size
+            self._order = perm[self.rank : used : self.world_size]
             self._order_epoch = epoch
         return self._order
 
@@ -476,14 +476,23 @@ class BlockSampler(_Sampler):
         return self.blocks_per_rank * self.block_size
 
     def state_dict(self) -> dict[str, int]:
-        return {"epoch": int(self.epoch), "index": int(self.index)}
+        return {
+            "epoch": int(self.epoch),
+            "index": int(self.index),
+            "world_size": int(self.world_size),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a position; one saved by another number of ranks maps to the same place
+        in the epoch (ranks move in lockstep, so ``index · world_size`` blocks are done)."""
         try:
             epoch, index = int(state["epoch"]), int(state["index"])
-        except (KeyError, TypeError, ValueError) as exc:
+            saved_world = int(state.get("world_size", 1))
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
             msg = f"bad sampler state {state!r}: needs integer epoch and index"
             raise LlmkitError(msg) from exc
+        if saved_world != self.world_size and saved_world > 0:
+            index = index * saved_world // self.world_size
         if epoch < 0 or not 0 <= index <= self.blocks_per_rank:
             raise LlmkitError(
                 f"sampler state {state!r} does not fit this data "

@@ -152,7 +152,9 @@ class DataSpec(Strict):
 class TrainSpec(Strict):
     """The training recipe besides optimizer and schedule."""
 
-    batch_size: int = Field(16, gt=0, description="Sequences per micro-batch.")
+    batch_size: int = Field(
+        16, gt=0, description="Sequences per micro-batch on each process (rank)."
+    )
     grad_accum: int = Field(1, gt=0, description="Micro-batches per optimizer step.")
     max_steps: int = Field(1000, gt=0, description="Optimizer steps (the schedule's length).")
     max_time: float | None = Field(None, gt=0, description="Stop after this many seconds.")
@@ -180,6 +182,20 @@ class TrainSpec(Strict):
     )
     sample_tokens: int = Field(200, ge=0, description="Tokens of the sample printed at the end.")
     sample_prompt: str = Field("", description="Prompt of the sample printed at the end.")
+    parallel: Literal["auto", "none", "ddp", "fsdp"] = Field(
+        "auto",
+        description="Under torchrun: ddp (replicas) or fsdp (FSDP2 sharding); auto = ddp "
+        "when launched on several processes. One process trains plainly.",
+    )
+    fsdp_cpu_offload: bool = Field(
+        False, description="FSDP: keep parameters, gradients and optimizer state on the CPU."
+    )
+    fsdp_reshard_after_forward: bool = Field(
+        True, description="FSDP: free gathered parameters after forward (less memory)."
+    )
+    dist_timeout: float = Field(
+        600.0, gt=0, description="Seconds a collective may wait before the job fails."
+    )
 
 
 class Spec(Strict):

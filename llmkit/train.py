@@ -16,8 +16,16 @@ from typing import Any
 
 import torch
 
-from llmkit import hardware
-from llmkit.checkpoint import Checkpoints, load_state, load_weights, rng_state, set_rng_state
+from llmkit import distributed, hardware
+from llmkit.checkpoint import (
+    SHARDS,
+    Checkpoints,
+    load_state,
+    load_weights,
+    rank_file,
+    rng_state,
+    set_rng_state,
+)
 from llmkit.errors import LlmkitError
 from llmkit.optim import set_lr_factor
 from llmkit.run import METRICS_FILE, PLOT_FILE, SPEC_FILE, save_spec
@@ -38,10 +46,15 @@ class TrainResult:
     val_loss: float | None = None
     best_val_loss: float | None = None
     history: list[dict[str, Any]] = field(default_factory=list)
+    rank: int = 0
+    world_size: int = 1
 
 
-def _scalar(value: Any) -> float:
-    return float(value.detach().float().mean()) if isinstance(value, torch.Tensor) else float(value)
+def _detached(value: Any) -> Any:
+    """A reported value as a detached scalar (tensor or float), without a device sync."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().float().mean()
+    return float(value)
 
 
 class MetricsLog:
@@ -105,12 +118,14 @@ class Trainer:
         max_time: float | None = None,
         log: Callable[[str], None] = print,
         progress: bool | None = None,
+        dist: distributed.DistContext | None = None,
     ) -> None:
         self.rs = rs
         self.run_dir = Path(run_dir)
         self.resume = resume
         self.t = rs.spec.train
         self.max_time = max_time if max_time is not None else self.t.max_time
+        self.dist = dist
         self.log = log
         self.progress = progress
         self._stop_signal: str | None = None
@@ -121,13 +136,24 @@ class Trainer:
         from llmkit.model import build_model
 
         t = self.t
+        if self.dist is None:
+            self.dist = distributed.setup(t.parallel, t.device, t.dist_timeout)
+        dist = self.dist
+        if not dist.is_main:  # only rank 0 logs, plots and shows progress
+            self.log, self.progress = (lambda _msg: None), False
         self.run_dir.mkdir(parents=True, exist_ok=True)
         torch.manual_seed(t.seed)
-        self.device = hardware.choose_device(t.device)
+        self.device = dist.device
         self.precision = hardware.choose_precision(t.precision, self.device)
+        if dist.parallel == "fsdp" and self.precision == "fp16":
+            raise LlmkitError("train.precision fp16 is not supported with fsdp; use bf16")
         self.amp = lambda: hardware.autocast(self.device, self.precision)
 
+        if not dist.is_main:
+            dist.barrier()  # rank 0 trains the tokenizer and tokenizes first; then the cache
         data = prepare_data(self.rs, self.run_dir, log=self.log)
+        if dist.is_main:
+            dist.barrier()
         self.data, self.tokenizer = data, data.tokenizer
         if self.tokenizer.vocab_size != self.rs.model.vocab_size:
             self.log(
@@ -136,7 +162,7 @@ class Trainer:
             )
             self.rs = load_spec_dict(self.rs.raw, [f"model.vocab_size={self.tokenizer.vocab_size}"])
             self.rs.source = str(self.run_dir / SPEC_FILE)
-        if not self.resume:
+        if not self.resume and dist.is_main:
             save_spec(self.rs, self.run_dir)
 
         self.block_size = self.rs.spec.data.block_size or self.rs.model.max_seq_len
@@ -145,12 +171,26 @@ class Trainer:
                 f"data.block_size ({self.block_size}) exceeds model.max_seq_len "
                 f"({self.rs.model.max_seq_len})"
             )
-        self.sampler = make_sampler(self.rs.spec.data.sampling, data.train, self.block_size, t.seed)
+        self.sampler = make_sampler(
+            self.rs.spec.data.sampling,
+            data.train,
+            self.block_size,
+            t.seed,
+            rank=dist.rank,
+            world_size=dist.world_size,
+        )
 
-        torch.manual_seed(t.seed)
+        torch.manual_seed(t.seed)  # the same initial weights on every rank
         self.model = build_model(self.rs).to(self.device)
         self.model.activation_checkpointing = t.activation_checkpointing
-        self.forward = torch.compile(self.model) if t.compile else self.model
+        self.wrapped = distributed.wrap(self.model, dist, t, self.precision)
+        self.forward = torch.compile(self.wrapped) if t.compile else self.wrapped
+        if dist.distributed:
+            self.log(
+                f"distributed: {dist.parallel} on {dist.world_size} processes "
+                f"({torch.distributed.get_backend()}); global batch "
+                f"{t.batch_size * t.grad_accum * dist.world_size} sequences"
+            )
         opt = self.rs.optimizer
         self.optimizer = opt.build(self.model, opt.options)
         sched = self.rs.schedule
@@ -168,7 +208,8 @@ class Trainer:
         self.best_val: float | None = None
         self.bad_evals = 0
         self.flops_per_token = self.model.flops_per_token(self.block_size)["train"]
-        self.peak = hardware.peak_flops(self.device, self.precision)
+        peak = hardware.peak_flops(self.device, self.precision)
+        self.peak = peak * dist.world_size if peak else peak
         if self.resume:
             self._restore()  # last: it sets the RNG state
 
@@ -176,11 +217,18 @@ class Trainer:
         latest = self.checkpoints.latest()
         if latest is None:
             raise LlmkitError(f"{self.run_dir}: no checkpoint to resume from")
-        load_weights(self.model, latest / "model.safetensors")
         state = load_state(latest)
         # Hyperparameters come from the (possibly edited) spec, the moments from the run.
         fresh = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
-        self.optimizer.load_state_dict(state["optimizer"])
+        if (latest / SHARDS).is_dir():  # saved by FSDP: reshards onto any number of ranks
+            distributed.load_sharded(self.model, self.optimizer, str(latest / SHARDS))
+        elif self.dist.parallel == "fsdp" and self.dist.distributed:
+            raise LlmkitError(
+                f"{latest} was not saved by an fsdp run; resume it with train.parallel=ddp"
+            )
+        else:
+            load_weights(self.model, latest / "model.safetensors")
+            self.optimizer.load_state_dict(state["optimizer"])
         for group, hyper in zip(self.optimizer.param_groups, fresh, strict=True):
             group.update(hyper)
         self.sampler.load_state_dict(state["data"])
@@ -190,8 +238,15 @@ class Trainer:
         self.bad_evals = int(state.get("bad_evals", 0))
         if self.scaler is not None and "scaler" in state:
             self.scaler.load_state_dict(state["scaler"])
-        set_rng_state(state["rng"])
-        self.metrics.truncate_after(self.step)
+        own = latest / rank_file(self.dist.rank)
+        if self.dist.distributed and own.is_file():
+            set_rng_state(torch.load(own, weights_only=True)["rng"])
+        elif self.dist.is_main:
+            set_rng_state(state["rng"])
+        else:  # a rank the saving run did not have: a fresh stream of its own
+            torch.manual_seed(self.t.seed + 1000 * self.dist.rank + self.step)
+        if self.dist.is_main:
+            self.metrics.truncate_after(self.step)
         self.log(f"resumed from {latest} at step {self.step}")
 
     # -- the loop ----------------------------------------------------------------------------
@@ -218,7 +273,7 @@ class Trainer:
                 if record is None:  # skipped a non-finite step
                     continue
                 self.step += 1
-                step_tokens = t.batch_size * t.grad_accum * self.block_size
+                step_tokens = t.batch_size * t.grad_accum * self.block_size * self.dist.world_size
                 self.tokens += step_tokens
                 interval_tokens += step_tokens
                 self.elapsed = time.perf_counter() - start_wall
@@ -233,11 +288,12 @@ class Trainer:
                     )
                     if self.peak:
                         record["mfu"] = round(self.flops_per_token * tps / self.peak, 4)
-                    self.metrics.write(record)
+                    if self.dist.is_main:
+                        self.metrics.write(record)
                     history.append(record)
                     self._show(bar, record)
-                out_of_time = self.max_time is not None and self.elapsed >= self.max_time
-                final = self.step == t.max_steps or out_of_time or self._stop_signal
+                out_of_time, signalled = self._stop_flags()
+                final = self.step == t.max_steps or out_of_time or signalled
                 if self.step % t.eval_interval == 0 or final:
                     last_val = self._evaluate(history)
                     if self._early_stop():
@@ -245,11 +301,12 @@ class Trainer:
                         final = True
                 if self.step % ckpt_every == 0 or final or self.step % t.eval_interval == 0:
                     self._save(best=last_val is not None and last_val == self.best_val)
-                    plot_losses(history, self.run_dir / PLOT_FILE, self.rs.spec.name or "")
+                    if self.dist.is_main:
+                        plot_losses(history, self.run_dir / PLOT_FILE, self.rs.spec.name or "")
                 if out_of_time:
                     stopped = "max_time"
-                if self._stop_signal:
-                    stopped = self._stop_signal
+                if signalled:
+                    stopped = self._stop_signal or "SIGTERM"
                 if final:
                     break
         finally:
@@ -264,34 +321,52 @@ class Trainer:
             last_val,
             self.best_val,
             history,
+            self.dist.rank,
+            self.dist.world_size,
         )
+
+    def _stop_flags(self) -> tuple[bool, bool]:
+        """(out of time, stop signal received). In a multi-process run, any rank's flag
+        stops every rank at the same step (one all-reduce), so none waits alone."""
+        out_of_time = self.max_time is not None and self.elapsed >= self.max_time
+        signalled = self._stop_signal is not None
+        if self.dist.distributed:
+            flags = self.dist.mean([float(out_of_time), float(signalled)])
+            out_of_time, signalled = flags[0] > 0, flags[1] > 0
+        return out_of_time, signalled
 
     def _train_step(self) -> dict[str, Any] | None:
         t = self.t
         set_lr_factor(self.optimizer, self.lr_factor(self.step))
         self.model.train()
         loss_sum = torch.zeros((), device=self.device)
-        aux_sums: dict[str, float] = {}
-        metrics: dict[str, float] = {}
-        for _ in range(t.grad_accum):
+        aux_sums: dict[str, Any] = {}
+        metrics: dict[str, Any] = {}
+        for micro in range(t.grad_accum):
             x, y = self.sampler.next_batch(t.batch_size)
             x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
-            with self.amp():
-                out = self.forward(x, y)
-                loss = out.total_loss / t.grad_accum
-            if self.scaler is not None:
-                self.scaler.scale(loss).backward()
-            else:
-                loss.backward()
+            last = micro == t.grad_accum - 1  # only the last micro-step all-reduces
+            with distributed.grad_sync(self.wrapped, self.dist, last):
+                with self.amp():
+                    out = self.forward(x, y)
+                    loss = out.total_loss / t.grad_accum
+                if self.scaler is not None:
+                    self.scaler.scale(loss).backward()
+                else:
+                    loss.backward()
             loss_sum += out.loss.detach() / t.grad_accum
             for k, v in out.aux_losses.items():
-                aux_sums[k] = aux_sums.get(k, 0.0) + _scalar(v) / t.grad_accum
-            metrics.update({k: _scalar(v) for k, v in out.metrics.items()})
+                aux_sums[k] = aux_sums.get(k, 0.0) + _detached(v) / t.grad_accum
+            metrics.update({k: _detached(v) for k, v in out.metrics.items()})
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
         clip = t.grad_clip if t.grad_clip is not None else math.inf
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
-        loss_value = float(loss_sum)
+        grad_norm = distributed.full_tensor(grad_norm)
+        # Everything reported, averaged over ranks, in one transfer (one sync).
+        names = [f"aux/{k}" for k in aux_sums] + [f"metric/{k}" for k in metrics]
+        loss_value, *values = self.dist.mean([loss_sum, *aux_sums.values(), *metrics.values()])
+        reported = dict(zip(names, values))
         finite = math.isfinite(loss_value) and bool(torch.isfinite(grad_norm))
         if not finite and self.scaler is None:
             self.optimizer.zero_grad(set_to_none=True)
@@ -309,8 +384,7 @@ class Trainer:
             "lr": self.optimizer.param_groups[0]["lr"],
             "grad_norm": round(float(grad_norm), 6),
         }
-        record.update({f"aux/{k}": round(v, 6) for k, v in aux_sums.items()})
-        record.update({f"metric/{k}": round(v, 6) for k, v in metrics.items()})
+        record.update({k: round(v, 6) for k, v in reported.items()})
         return record
 
     _skipped = 0
@@ -332,11 +406,25 @@ class Trainer:
 
     def _evaluate(self, history: list[dict[str, Any]]) -> float:
         from llmkit.data import eval_batches
-        from llmkit.evaluate import evaluate_batches
+        from llmkit.evaluate import EvalResult, evaluate_batches
 
         t = self.t
-        batches = eval_batches(self.data.validation, self.block_size, t.batch_size, t.eval_batches)
-        res = evaluate_batches(self.model, batches, self.device, self.amp())
+        dist = self.dist
+        # The single-process evaluation set (batches of batch_size × world_size blocks), each
+        # batch's rows dealt out to the ranks; the token-weighted sums are added up below.
+        ws = dist.world_size
+        batches = eval_batches(
+            self.data.validation, self.block_size, t.batch_size * ws, t.eval_batches
+        )
+        mine = [(x[dist.rank :: ws], y[dist.rank :: ws]) for x, y in batches]
+        if dist.parallel == "fsdp" and dist.distributed:
+            # FSDP forwards are collective: a rank whose share of a short last batch is empty
+            # still runs one (on another batch's rows, not counted).
+            empty = sum(1 for x, _ in mine if len(x) == 0)
+            evaluate_batches(self.model, mine[:1] * empty, self.device, self.amp())
+        res = evaluate_batches(self.model, [b for b in mine if len(b[0])], self.device, self.amp())
+        total, count = dist.sum([res.loss * res.tokens, res.tokens])
+        res = EvalResult(total / max(count, 1), int(count))
         improved = self.best_val is None or res.loss < self.best_val
         if improved:
             self.best_val, self.bad_evals = res.loss, 0
@@ -348,7 +436,8 @@ class Trainer:
             "val_ppl": round(res.ppl, 4),
             "best_val_loss": round(self.best_val, 6),
         }
-        self.metrics.write(record)
+        if dist.is_main:
+            self.metrics.write(record)
         history.append(record)
         self.log(
             f"step {self.step}: val loss {res.loss:.4f}, ppl {res.ppl:.2f}"
@@ -361,8 +450,9 @@ class Trainer:
         return patience is not None and self.bad_evals >= patience
 
     def _save(self, best: bool) -> None:
-        state = {
-            "optimizer": self.optimizer.state_dict(),
+        dist = self.dist
+        sharded = dist.parallel == "fsdp" and dist.distributed
+        state: dict[str, Any] = {
             "data": self.sampler.state_dict(),
             "rng": rng_state(),
             "step": self.step,
@@ -371,16 +461,50 @@ class Trainer:
             "best_val": self.best_val,
             "bad_evals": self.bad_evals,
         }
+        if not sharded:
+            state["optimizer"] = self.optimizer.state_dict()
         if self.scaler is not None:
             state["scaler"] = self.scaler.state_dict()
         meta = {"tokens": self.tokens, "best_val_loss": self.best_val}
-        self.checkpoints.save(self.step, self.model, state, meta, best=best)
+        self.checkpoints.save(
+            self.step,
+            self._full_model(),
+            state,
+            meta,
+            best=best,
+            dist=dist if dist.distributed else None,
+            rank_state={"rng": rng_state()} if dist.distributed else None,
+            write_shards=(
+                (lambda d: distributed.save_sharded(self.model, self.optimizer, str(d)))
+                if sharded
+                else None
+            ),
+        )
+
+    def _full_model(self) -> torch.nn.Module | None:
+        """The whole model with current weights on rank 0 (None elsewhere). Under FSDP the
+        shards are gathered into a plain CPU copy, so every checkpoint and the final
+        ``model.safetensors`` load on one device with ``llmkit generate``."""
+        dist = self.dist
+        if not (dist.parallel == "fsdp" and dist.distributed):
+            return self.model if dist.is_main else None
+        from llmkit.model import build_model
+
+        full = distributed.full_model_state(self.model, dist)  # collective
+        if not dist.is_main:
+            return None
+        if getattr(self, "_export", None) is None:
+            self._export = build_model(self.rs)
+        self._export.load_state_dict(full)
+        return self._export
 
     def _finish(self, history: list[dict[str, Any]]) -> None:
         from llmkit.checkpoint import save_weights
 
-        save_weights(self.model, self.run_dir / "model.safetensors")
-        plot_losses(history, self.run_dir / PLOT_FILE, self.rs.spec.name or "")
+        model = self._full_model()
+        if self.dist.is_main:
+            save_weights(model, self.run_dir / "model.safetensors")
+            plot_losses(history, self.run_dir / PLOT_FILE, self.rs.spec.name or "")
 
     # -- output ------------------------------------------------------------------------------
     def _progress_bar(self) -> Any:
@@ -475,5 +599,10 @@ def train(
             raise LlmkitError(
                 f"{rd} already holds a run; resume it with --resume {rd} or choose another --out"
             )
-    trainer = Trainer(rs, rd, resume=resume, max_time=max_time, log=log, progress=progress)
+    t = rs.spec.train
+    dist = distributed.setup(t.parallel, t.device, t.dist_timeout)
+    rd = Path(dist.broadcast(str(rd)))  # rank 0's (time-stamped) choice for everyone
+    trainer = Trainer(
+        rs, rd, resume=resume, max_time=max_time, log=log, progress=progress, dist=dist
+    )
     return trainer.fit()

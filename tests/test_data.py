@@ -240,9 +240,9 @@ def test_sampler_deterministic_and_epochs() -> None:
 
     s = BlockSampler(tokens, 10, seed=1)  # 9 blocks (one spare)
     first = torch.cat(draw(s, 2, 4))[:, 0] // 10  # 8 blocks of epoch 0
-    assert s.state_dict() == {"epoch": 0, "index": 8}
+    assert s.state_dict() == {"epoch": 0, "index": 8, "world_size": 1}
     last_and_next = s.next_batch(3)[0][:, 0]  # 1 from epoch 0, 2 from epoch 1
-    assert s.state_dict() == {"epoch": 1, "index": 2}
+    assert s.state_dict() == {"epoch": 1, "index": 2, "world_size": 1}
     epoch0 = [*first.tolist(), int(last_and_next[0]) // 10]
     assert sorted(epoch0) == list(range(9))
     assert epoch0 != sorted(epoch0)
@@ -276,6 +276,36 @@ def test_sampler_sharding_disjoint() -> None:
     assert not set(ranks[0].order(1)) & set(ranks[1].order(1))
     with pytest.raises(LlmkitError, match="ranks"):
         BlockSampler(np.arange(25), 10, world_size=3)
+
+
+def _starts(sampler: BlockSampler, batch: int) -> list[int]:
+    return sampler.next_batch(batch)[0][:, 0].tolist()
+
+
+def test_ranks_in_lockstep_read_what_one_process_reads_with_the_global_batch() -> None:
+    tokens = np.arange(1201)  # 119 blocks used by one process, 2 × 59 by two ranks
+    single = BlockSampler(tokens, 10, seed=3)
+    ranks = [BlockSampler(tokens, 10, seed=3, rank=r, world_size=2) for r in range(2)]
+    for _ in range(14):  # 14 steps of a global batch of 8: 112 of the epoch's 118 blocks
+        want = sorted(_starts(single, 8))
+        assert sorted(_starts(ranks[0], 4) + _starts(ranks[1], 4)) == want
+
+
+def test_sampler_state_moves_between_world_sizes() -> None:
+    tokens = np.arange(1001)  # 99 blocks used
+    two = [BlockSampler(tokens, 10, seed=1, rank=r, world_size=2) for r in range(2)]
+    for s in two:
+        s.next_batch(6)  # 12 blocks done globally
+    state = two[0].state_dict()
+    assert state == {"epoch": 0, "index": 6, "world_size": 2}
+    one = BlockSampler(tokens, 10, seed=1)
+    one.load_state_dict(state)
+    reference = BlockSampler(tokens, 10, seed=1)
+    reference.next_batch(12)
+    assert torch.equal(one.next_batch(5)[0], reference.next_batch(5)[0])
+    three = BlockSampler(tokens, 10, seed=1, rank=1, world_size=3)
+    three.load_state_dict(state)
+    assert three.index == 4
 
 
 # -- eval_batches -----------------------------------------------------------------------------
