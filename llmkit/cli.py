@@ -1035,20 +1035,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 0
     _log_to_stderr()
-    from llmkit import distributed
-
     try:
         code = int(args.func(args) or 0)
     except LlmkitError as exc:
         if args.debug:
             raise
-        where = f"[rank {os.environ['RANK']}] " if distributed.launched_world_size() > 1 else ""
+        multi = os.environ.get("WORLD_SIZE", "1") not in ("", "1")
+        where = f"[rank {os.environ.get('RANK', '?')}] " if multi else ""
         print(f"error: {where}{exc}", file=sys.stderr)
         code = EXIT_USER_ERROR
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         code = 130
-    distributed.exit_process(code)  # returns unless this process joined a process group
+    dist = sys.modules.get("llmkit.distributed")  # imported only by a training run
+    if dist is not None:
+        dist.exit_process(code)  # returns unless this process joined a process group
     return code
 
 
