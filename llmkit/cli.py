@@ -676,7 +676,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         return res
 
     res = evaluate(run.model)
-    con = _console()
+    con = _console(stderr=args.json)  # with --json, stdout carries the JSON alone
     con.print(f"{run.weights} on {source}: {res.tokens:,} tokens", markup=False)
     con.print(f"loss {res.loss:.4f} nats/token, perplexity {res.ppl:.3f}")
     if res.bits_per_byte is not None:
@@ -712,7 +712,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
             "linear_layers": info.linears,
         }
     if args.json:
-        con.print_json(json.dumps(report))
+        print(json.dumps(report, indent=2))
     return 0
 
 

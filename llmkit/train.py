@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import signal
 import time
 from collections.abc import Callable
@@ -269,6 +270,7 @@ class Trainer:
         bar = self._progress_bar()
         try:
             while self.step < t.max_steps:
+                self._injected_failure()
                 record = self._train_step()
                 if record is None:  # skipped a non-finite step
                     continue
@@ -324,6 +326,13 @@ class Trainer:
             self.dist.rank,
             self.dist.world_size,
         )
+
+    def _injected_failure(self) -> None:
+        """``LLMKIT_FAIL_AT=RANK:STEP`` makes that rank raise before that step: a test aid
+        for a launcher's failure handling (the job must exit non-zero, not hang)."""
+        at = os.environ.get("LLMKIT_FAIL_AT")
+        if at and at == f"{self.dist.rank}:{self.step + 1}":
+            raise RuntimeError(f"injected failure on rank {self.dist.rank} (LLMKIT_FAIL_AT={at})")
 
     def _stop_flags(self) -> tuple[bool, bool]:
         """(out of time, stop signal received). In a multi-process run, any rank's flag

@@ -222,7 +222,8 @@ def test_cli_eval_and_generate(tmp_path):
         timeout=600,
     )
     assert proc.returncode == 0, proc.stderr
-    assert "perplexity" in proc.stdout and "bits/byte" in proc.stdout
+    assert "perplexity" in proc.stderr and "bits/byte" in proc.stderr
+    assert json.loads(proc.stdout)["tokens"] > 0  # stdout is the JSON alone
     other = tmp_path / "other.txt"
     other.write_text("Speak, speak. All resolved.\n")
     proc = subprocess.run(
