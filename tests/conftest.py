@@ -24,3 +24,34 @@ def fresh_registry():
     reset_registry()
     yield
     reset_registry()
+
+
+def _import_triton_for_the_interpreter() -> None:
+    """Without a CUDA GPU, import triton with TRITON_INTERPRET=1, then restore the variable.
+
+    Triton builds its language library (tl.zeros, tl.sum, ...) interpreted or compiled once,
+    when first imported; compiled Triton cannot run without a GPU anyway. Kernels still run in
+    the interpreter only while a test sets TRITON_INTERPRET=1 (llmkit.kernels.runtime reads it
+    per call; the kernel modules jit lazily per mode); everything else keeps the fast
+    reference paths.
+    """
+    import sys
+
+    import torch
+
+    if torch.cuda.is_available() or "triton" in sys.modules:
+        return
+    saved = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        import triton.language  # noqa: F401
+    except Exception:  # triton absent on this platform
+        pass
+    finally:
+        if saved is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = saved
+
+
+_import_triton_for_the_interpreter()

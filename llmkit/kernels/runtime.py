@@ -16,6 +16,8 @@ from __future__ import annotations
 import functools
 import logging
 import os
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -86,3 +88,29 @@ def announce_reference(name: str) -> None:
         "to run the Triton kernel in the interpreter)",
         name,
     )
+
+
+@functools.cache
+def _jit(fn: Callable, interpret: bool) -> Any:
+    import triton
+
+    with triton.knobs.runtime.scope():
+        triton.knobs.runtime.interpret = interpret
+        return triton.jit(fn)
+
+
+def kernel(fn: Callable) -> Any:
+    """The Triton kernel ``fn`` (a plain function) jitted in the mode
+    :func:`interpreting` asks for now, built on first launch and once per mode.
+
+    Triton fixes interpreted-vs-compiled when a function is jitted; jitting lazily lets the
+    tests switch ``TRITON_INTERPRET`` per test while the rest of a session stays compiled (or
+    on the reference paths). Kernels must be self-contained (no jitted helpers), since a
+    helper would be jitted in whatever mode was active at import.
+    """
+    return _jit(fn, interpreting())
+
+
+def dtype_runs(t: torch.Tensor) -> bool:
+    """False for bf16 in the interpreter, whose bf16 arithmetic is wrong (triton 3.9)."""
+    return not (t.dtype == torch.bfloat16 and not t.is_cuda and interpreting())

@@ -8,6 +8,12 @@ of a chunk can reach form one contiguous slice of C+W−1 keys, and inside that 
 is the same band for every chunk (local query a sees local keys a … a+W−1). So all chunks run
 as one batched matmul over overlapping key slices (an ``unfold`` view), and the largest
 intermediate is (B, H, L/C, C, C+W−1): O(L·(C+W)) with C ≤ 256, never L×L.
+
+The component runs the Triton kernel :mod:`llmkit.kernels.sliding_window` (FlashAttention-2
+style, same O(L·W) band) when :func:`llmkit.kernels.runtime.use_triton` allows it, and this
+block-local function otherwise: CPU tensors without ``TRITON_INTERPRET=1``, dropout in
+training, or inputs the kernel does not take (float64, head dim > 256, bf16 in the
+interpreter). The block-local function is also the kernel's test reference.
 """
 
 from __future__ import annotations
@@ -21,6 +27,10 @@ from torch import Tensor
 
 from llmkit.components.attention.dense import check_shapes
 from llmkit.components.base import AttentionKernel, BuildContext, ComponentOptions, DistanceBias
+from llmkit.kernels import runtime
+
+#: Component name used in runtime notices.
+NAME = "attention.sliding_window"
 
 #: Largest default query chunk; chunks are ``clamp(W, MIN_CHUNK, MAX_CHUNK)`` positions.
 MAX_CHUNK = 256
@@ -163,6 +173,22 @@ class SlidingWindowAttention(AttentionKernel):
     ) -> Tensor:
         if not causal:
             raise ValueError("sliding_window attention is causal only; got causal=False")
+        dropout_p = self.dropout if self.training else 0.0
+        if dropout_p == 0.0 and runtime.use_triton(q, k, v):
+            # Imported lazily: only calls that run the kernel load it.
+            from llmkit.kernels import sliding_window as kernel
+
+            if kernel.supported(q, k, v):
+                return kernel.sliding_window_attention_triton(
+                    q,
+                    k,
+                    v,
+                    self.window,
+                    slopes=None if bias is None else bias.slopes,
+                    key_padding_mask=key_padding_mask,
+                )
+        elif dropout_p == 0.0:
+            runtime.announce_reference(NAME)
         return sliding_window_attention(
             q,
             k,
@@ -170,8 +196,13 @@ class SlidingWindowAttention(AttentionKernel):
             self.window,
             bias=bias,
             key_padding_mask=key_padding_mask,
-            dropout_p=self.dropout if self.training else 0.0,
+            dropout_p=dropout_p,
         )
+
+    @classmethod
+    def runtime_backend(cls) -> str:
+        """Which path this component takes on this machine (``llmkit show``)."""
+        return runtime.describe_backend(NAME)
 
     def extra_repr(self) -> str:
         return f"window={self.window}, dropout={self.dropout}"

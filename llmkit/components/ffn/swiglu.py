@@ -45,4 +45,8 @@ class SwiGLU(nn.Module):
         self.out_proj = nn.Linear(hidden, d, bias=bias)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.out_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.out_proj(self.activate(self.gate_proj(x), self.up_proj(x)))
+
+    def activate(self, gate: Tensor, up: Tensor) -> Tensor:
+        """The gated activation ``silu(gate) * up`` (``swiglu_triton`` fuses it)."""
+        return F.silu(gate) * up

@@ -1,0 +1,51 @@
+"""Flash attention: the fused Triton kernel of :mod:`llmkit.kernels.flash_attention`.
+
+Tiled online-softmax attention (FlashAttention-2, Dao 2023) that never builds the L×L score
+matrix, with its own backward. Where Triton cannot run (CPU tensors without
+``TRITON_INTERPRET=1``, or inputs the kernel does not take: fp64, head dim > 256, mixed
+dtypes) it announces once and takes the PyTorch reference path
+(:func:`~llmkit.kernels.flash_attention.flash_attention_reference`, i.e. SDPA).
+"""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from llmkit.components.attention.sdpa import sdpa_attention
+from llmkit.components.base import AttentionKernel, DistanceBias, NoOptions
+from llmkit.kernels import runtime
+
+NAME = "attention.flash"
+
+
+class FlashAttention(AttentionKernel):
+    """Fused flash-attention Triton kernel (FlashAttention-2, Dao 2023); exact, no dropout."""
+
+    Options = NoOptions
+
+    @classmethod
+    def runtime_backend(cls) -> str:
+        """Which path this component takes on this machine (printed by ``llmkit show``)."""
+        return runtime.describe_backend(NAME)
+
+    def forward(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        causal: bool = True,
+        bias: DistanceBias | None = None,
+        key_padding_mask: Tensor | None = None,
+    ) -> Tensor:
+        if runtime.use_triton(q, k, v):
+            # Imported here: Triton loads only when a kernel runs.
+            from llmkit.kernels import flash_attention as fa
+
+            if fa.kernel_supports(q, k, v):
+                return fa.flash_attention(
+                    q, k, v, causal=causal, bias=bias, key_padding_mask=key_padding_mask
+                )
+        runtime.announce_reference(NAME)
+        # The reference path: what flash_attention_reference runs, without importing Triton.
+        return sdpa_attention(q, k, v, causal=causal, bias=bias, key_padding_mask=key_padding_mask)

@@ -1,0 +1,760 @@
+"""Fused flash attention in Triton: forward and backward, causal or not, GQA/MQA, ALiBi.
+
+Algorithm (FlashAttention-2, Dao 2023, "FlashAttention-2: Faster Attention with Better
+Parallelism and Work Partitioning"). The L×L score matrix is never materialized:
+
+- **Forward**: one program per (query block, batch·query head). It walks the key blocks the
+  block can see and keeps an online softmax per row: running max ``m``, running sum ``l`` and an
+  unnormalized fp32 accumulator, rescaled by ``exp(m_old − m_new)`` whenever the max grows.
+  It stores the output and the row log-sum-exp ``lse`` (base 2, fp32), O(L) extra memory.
+- **Backward**: a preprocess kernel computes ``delta = rowsum(dO ∘ O)``; then
+  ``P = exp(S − lse)`` is recomputed block by block (no stored probabilities):
+  a dK/dV kernel (one program per key block) walks the query blocks, accumulating
+  ``dV += Pᵀ dO`` and ``dK += dSᵀ Q · scale`` with ``dS = P ∘ (dP − delta)``, ``dP = dO Vᵀ``;
+  a separate dQ kernel (one program per query block) walks the key blocks accumulating
+  ``dQ += dS K · scale``. No atomics: every gradient element is written by exactly one
+  program, in a fixed order, so backward is deterministic (bit-identical on reruns).
+
+Scores are computed in base 2 (``exp2``; ``log2 e`` folded into the scale and the ALiBi
+slopes). Matmuls take the input dtype (fp16/bf16/fp32) and accumulate in fp32; softmax
+statistics are fp32. For fp32 inputs the dots are IEEE fp32 unless PyTorch allows TF32
+(``torch.backends.cuda.matmul.allow_tf32``), which they then follow.
+
+Masking: keys past ``Tk`` and queries past ``Tq`` are masked on every load and store (lengths
+need not be multiples of the block). Queries are aligned bottom-right: query i sits at key
+position ``Tk − Tq + i`` (a KV cache decoding ``Tq`` new tokens over ``Tk`` keys); causal
+programs stop at the last key block their rows can see. ``key_padding_mask`` (B, Tk) is
+supported in the kernel (one byte per key, loaded per key block); a row left with no key
+gives a zero output and zero gradients, never NaN. ALiBi (``DistanceBias.slopes``) adds
+``−slope·d`` with ``d = max(qpos − kpos, 0)`` when causal and ``|qpos − kpos|`` otherwise,
+exactly as :meth:`~llmkit.components.base.DistanceBias.dense`. Slopes get no gradient.
+
+GQA/MQA: K and V are never repeated in memory. Query head ``h`` reads kv head
+``h // groups``. The dK/dV program of a kv head loops over the ``groups`` query heads of its
+group and sums their contributions in registers before one store: deterministic and with no
+(B, Hq, Tk, D) scratch, at the price of fewer, longer programs when ``Hkv`` is small (MQA
+with a small batch may leave part of a large GPU idle in this kernel).
+
+No dropout: the kernel computes exact attention only.
+
+Interpreter vs compiled: each kernel is jitted lazily, on first launch, once per mode
+(:func:`llmkit.kernels.runtime.kernel`), so the mode follows
+:func:`llmkit.kernels.runtime.interpreting` at call time, like ``use_triton``, rather than
+the moment this module was imported. (Triton's own language library is still fixed when
+``triton`` is first imported: the interpreter needs ``TRITON_INTERPRET=1`` set before that;
+see tests/conftest.py.)
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from llmkit.components.attention.dense import check_shapes
+from llmkit.components.attention.sdpa import sdpa_attention
+from llmkit.components.base import DistanceBias
+from llmkit.kernels import runtime
+
+__all__ = [
+    "SUPPORTED_DTYPES",
+    "BlockConfig",
+    "block_config",
+    "flash_attention",
+    "flash_attention_reference",
+    "kernel_supports",
+]
+
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+#: Largest head dim the kernels take (the (BLOCK, D) tiles must fit in shared memory).
+MAX_HEAD_DIM = 256
+
+
+# --------------------------------------------------------------------------- kernels
+# Each kernel is self-contained (no jitted helpers): a helper would have to be jitted in the
+# same mode as its caller, which the lazy per-mode build above does not track.
+
+
+def _fwd_kernel(
+    Q,
+    K,
+    V,
+    O,
+    LSE,
+    SLOPES,
+    KPM,
+    stride_qb,
+    stride_qh,
+    stride_qm,
+    stride_qd,
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    stride_kd,
+    stride_vb,
+    stride_vh,
+    stride_vn,
+    stride_vd,
+    stride_ob,
+    stride_oh,
+    stride_om,
+    stride_od,
+    stride_kpm,
+    H,
+    TQ,
+    TK,
+    sm_scale,
+    GROUPS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_KPM: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    start_m = tl.program_id(0)
+    off_bh = tl.program_id(1)
+    off_b = off_bh // H
+    off_h = off_bh % H
+    off_kvh = off_h // GROUPS
+
+    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_valid = offs_m < TQ
+    d_valid = offs_d < HEAD_DIM
+    offset = TK - TQ  # bottom-right alignment: query i sits at key position offset + i
+    q_pos = offs_m + offset
+
+    Q += off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh
+    K += off_b.to(tl.int64) * stride_kb + off_kvh.to(tl.int64) * stride_kh
+    V += off_b.to(tl.int64) * stride_vb + off_kvh.to(tl.int64) * stride_vh
+    O += off_b.to(tl.int64) * stride_ob + off_h.to(tl.int64) * stride_oh
+    KPM += off_b.to(tl.int64) * stride_kpm
+
+    q_ptrs = Q + offs_m[:, None].to(tl.int64) * stride_qm + offs_d[None, :] * stride_qd
+    q = tl.load(q_ptrs, mask=m_valid[:, None] & d_valid[None, :], other=0.0)
+    k_ptrs = K + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd
+    v_ptrs = V + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd
+
+    qk_scale = sm_scale * 1.4426950408889634  # log2(e): softmax in base 2
+    if HAS_BIAS:
+        slope = tl.load(SLOPES + off_h).to(tl.float32) * 1.4426950408889634
+    hi = tl.minimum(TK, offset + (start_m + 1) * BLOCK_M) if CAUSAL else TK
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for start_n in range(0, hi, BLOCK_N):
+        cols = start_n + offs_n
+        n_valid = cols < TK
+        kv_mask = n_valid[:, None] & d_valid[None, :]
+        k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        if HAS_BIAS:
+            dist = (q_pos[:, None] - cols[None, :]).to(tl.float32)
+            dist = tl.maximum(dist, 0.0) if CAUSAL else tl.abs(dist)
+            s = s - slope * dist
+        keep = n_valid[None, :]
+        if CAUSAL:
+            keep = keep & (cols[None, :] <= q_pos[:, None])
+        if HAS_KPM:
+            pad = tl.load(KPM + cols, mask=n_valid, other=0)
+            keep = keep & (pad != 0)[None, :]
+        s = tl.where(keep, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+        k_ptrs += BLOCK_N * stride_kn
+        v_ptrs += BLOCK_N * stride_vn
+
+    empty = l_i == 0.0  # only with a padding mask: zero output, finite lse
+    l_safe = tl.where(empty, 1.0, l_i)
+    m_fin = tl.where(m_i == float("-inf"), 0.0, m_i)
+    out = acc / l_safe[:, None]
+    tl.store(LSE + off_bh.to(tl.int64) * TQ + offs_m, m_fin + tl.log2(l_safe), mask=m_valid)
+    o_ptrs = O + offs_m[:, None].to(tl.int64) * stride_om + offs_d[None, :] * stride_od
+    tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=m_valid[:, None] & d_valid[None, :])
+
+
+def _bwd_preprocess_kernel(
+    O,
+    DO,
+    DELTA,
+    stride_ob,
+    stride_oh,
+    stride_om,
+    stride_od,
+    stride_dob,
+    stride_doh,
+    stride_dom,
+    stride_dod,
+    H,
+    TQ,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    start_m = tl.program_id(0)
+    off_bh = tl.program_id(1)
+    off_b = off_bh // H
+    off_h = off_bh % H
+    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_valid = offs_m < TQ
+    mask = m_valid[:, None] & (offs_d < HEAD_DIM)[None, :]
+    rows = offs_m[:, None].to(tl.int64)
+    O += off_b.to(tl.int64) * stride_ob + off_h.to(tl.int64) * stride_oh
+    DO += off_b.to(tl.int64) * stride_dob + off_h.to(tl.int64) * stride_doh
+    o = tl.load(O + rows * stride_om + offs_d[None, :] * stride_od, mask=mask, other=0.0)
+    do = tl.load(DO + rows * stride_dom + offs_d[None, :] * stride_dod, mask=mask, other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    tl.store(DELTA + off_bh.to(tl.int64) * TQ + offs_m, delta, mask=m_valid)
+
+
+def _bwd_dkdv_kernel(
+    Q,
+    K,
+    V,
+    DO,
+    LSE,
+    DELTA,
+    DK,
+    DV,
+    SLOPES,
+    KPM,
+    stride_qb,
+    stride_qh,
+    stride_qm,
+    stride_qd,
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    stride_kd,
+    stride_vb,
+    stride_vh,
+    stride_vn,
+    stride_vd,
+    stride_dob,
+    stride_doh,
+    stride_dom,
+    stride_dod,
+    stride_dkb,
+    stride_dkh,
+    stride_dkn,
+    stride_dkd,
+    stride_dvb,
+    stride_dvh,
+    stride_dvn,
+    stride_dvd,
+    stride_kpm,
+    H,
+    HKV,
+    TQ,
+    TK,
+    sm_scale,
+    GROUPS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_KPM: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    # One program per (key block, batch·kv head); works in the transposed (keys × queries)
+    # orientation so that dV += Pᵀ dO and dK += dSᵀ Q need no further transposes.
+    start_n = tl.program_id(0) * BLOCK_N
+    off_bkv = tl.program_id(1)
+    off_b = off_bkv // HKV
+    off_kvh = off_bkv % HKV
+
+    offs_m = tl.arange(0, BLOCK_M)
+    cols = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    n_valid = cols < TK
+    d_valid = offs_d < HEAD_DIM
+    kv_mask = n_valid[:, None] & d_valid[None, :]
+    offset = TK - TQ
+
+    K += off_b.to(tl.int64) * stride_kb + off_kvh.to(tl.int64) * stride_kh
+    V += off_b.to(tl.int64) * stride_vb + off_kvh.to(tl.int64) * stride_vh
+    rows_n = cols[:, None].to(tl.int64)
+    k = tl.load(K + rows_n * stride_kn + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
+    v = tl.load(V + rows_n * stride_vn + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
+    keep_n = n_valid
+    if HAS_KPM:
+        pad = tl.load(KPM + off_b.to(tl.int64) * stride_kpm + cols, mask=n_valid, other=0)
+        keep_n = keep_n & (pad != 0)
+
+    qk_scale = sm_scale * 1.4426950408889634
+    # Causal: start at the block of the first query that can see key start_n.
+    lo = (tl.maximum(start_n - offset, 0) // BLOCK_M) * BLOCK_M if CAUSAL else 0
+
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    for g in range(GROUPS):  # the query heads sharing this kv head, summed in registers
+        off_h = off_kvh * GROUPS + g
+        off_bh = off_b * H + off_h
+        Qh = Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh
+        DOh = DO + off_b.to(tl.int64) * stride_dob + off_h.to(tl.int64) * stride_doh
+        LSEh = LSE + off_bh.to(tl.int64) * TQ
+        DELTAh = DELTA + off_bh.to(tl.int64) * TQ
+        if HAS_BIAS:
+            slope = tl.load(SLOPES + off_h).to(tl.float32) * 1.4426950408889634
+        for start_m in range(lo, TQ, BLOCK_M):
+            rows = start_m + offs_m
+            m_valid = rows < TQ
+            q_mask = m_valid[:, None] & d_valid[None, :]
+            rows64 = rows[:, None].to(tl.int64)
+            q = tl.load(
+                Qh + rows64 * stride_qm + offs_d[None, :] * stride_qd, mask=q_mask, other=0.0
+            )
+            do = tl.load(
+                DOh + rows64 * stride_dom + offs_d[None, :] * stride_dod, mask=q_mask, other=0.0
+            )
+            lse = tl.load(LSEh + rows, mask=m_valid, other=0.0)
+            delta = tl.load(DELTAh + rows, mask=m_valid, other=0.0)
+            q_pos = rows + offset
+            s_t = tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale  # (N, M)
+            if HAS_BIAS:
+                dist = (q_pos[None, :] - cols[:, None]).to(tl.float32)
+                dist = tl.maximum(dist, 0.0) if CAUSAL else tl.abs(dist)
+                s_t = s_t - slope * dist
+            keep = keep_n[:, None] & m_valid[None, :]
+            if CAUSAL:
+                keep = keep & (cols[:, None] <= q_pos[None, :])
+            p_t = tl.where(keep, tl.exp2(s_t - lse[None, :]), 0.0)
+            dv += tl.dot(p_t.to(do.dtype), do, input_precision=PRECISION)
+            dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
+            ds_t = p_t * (dp_t - delta[None, :])
+            dk += tl.dot(ds_t.to(q.dtype), q, input_precision=PRECISION)
+    dk = dk * sm_scale
+
+    DK += off_b.to(tl.int64) * stride_dkb + off_kvh.to(tl.int64) * stride_dkh
+    DV += off_b.to(tl.int64) * stride_dvb + off_kvh.to(tl.int64) * stride_dvh
+    tl.store(
+        DK + rows_n * stride_dkn + offs_d[None, :] * stride_dkd,
+        dk.to(DK.dtype.element_ty),
+        mask=kv_mask,
+    )
+    tl.store(
+        DV + rows_n * stride_dvn + offs_d[None, :] * stride_dvd,
+        dv.to(DV.dtype.element_ty),
+        mask=kv_mask,
+    )
+
+
+def _bwd_dq_kernel(
+    Q,
+    K,
+    V,
+    DO,
+    LSE,
+    DELTA,
+    DQ,
+    SLOPES,
+    KPM,
+    stride_qb,
+    stride_qh,
+    stride_qm,
+    stride_qd,
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    stride_kd,
+    stride_vb,
+    stride_vh,
+    stride_vn,
+    stride_vd,
+    stride_dob,
+    stride_doh,
+    stride_dom,
+    stride_dod,
+    stride_dqb,
+    stride_dqh,
+    stride_dqm,
+    stride_dqd,
+    stride_kpm,
+    H,
+    TQ,
+    TK,
+    sm_scale,
+    GROUPS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_KPM: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    start_m = tl.program_id(0)
+    off_bh = tl.program_id(1)
+    off_b = off_bh // H
+    off_h = off_bh % H
+    off_kvh = off_h // GROUPS
+
+    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_valid = offs_m < TQ
+    d_valid = offs_d < HEAD_DIM
+    q_mask = m_valid[:, None] & d_valid[None, :]
+    offset = TK - TQ
+    q_pos = offs_m + offset
+
+    Q += off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh
+    DO += off_b.to(tl.int64) * stride_dob + off_h.to(tl.int64) * stride_doh
+    DQ += off_b.to(tl.int64) * stride_dqb + off_h.to(tl.int64) * stride_dqh
+    K += off_b.to(tl.int64) * stride_kb + off_kvh.to(tl.int64) * stride_kh
+    V += off_b.to(tl.int64) * stride_vb + off_kvh.to(tl.int64) * stride_vh
+    KPM += off_b.to(tl.int64) * stride_kpm
+
+    rows64 = offs_m[:, None].to(tl.int64)
+    q = tl.load(Q + rows64 * stride_qm + offs_d[None, :] * stride_qd, mask=q_mask, other=0.0)
+    do = tl.load(DO + rows64 * stride_dom + offs_d[None, :] * stride_dod, mask=q_mask, other=0.0)
+    lse = tl.load(LSE + off_bh.to(tl.int64) * TQ + offs_m, mask=m_valid, other=0.0)
+    delta = tl.load(DELTA + off_bh.to(tl.int64) * TQ + offs_m, mask=m_valid, other=0.0)
+    k_ptrs = K + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd
+    v_ptrs = V + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd
+
+    qk_scale = sm_scale * 1.4426950408889634
+    if HAS_BIAS:
+        slope = tl.load(SLOPES + off_h).to(tl.float32) * 1.4426950408889634
+    hi = tl.minimum(TK, offset + (start_m + 1) * BLOCK_M) if CAUSAL else TK
+
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for start_n in range(0, hi, BLOCK_N):
+        cols = start_n + offs_n
+        n_valid = cols < TK
+        kv_mask = n_valid[:, None] & d_valid[None, :]
+        k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
+        v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        if HAS_BIAS:
+            dist = (q_pos[:, None] - cols[None, :]).to(tl.float32)
+            dist = tl.maximum(dist, 0.0) if CAUSAL else tl.abs(dist)
+            s = s - slope * dist
+        keep = n_valid[None, :] & m_valid[:, None]
+        if CAUSAL:
+            keep = keep & (cols[None, :] <= q_pos[:, None])
+        if HAS_KPM:
+            pad = tl.load(KPM + cols, mask=n_valid, other=0)
+            keep = keep & (pad != 0)[None, :]
+        p = tl.where(keep, tl.exp2(s - lse[:, None]), 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
+        k_ptrs += BLOCK_N * stride_kn
+        v_ptrs += BLOCK_N * stride_vn
+    dq = dq * sm_scale
+    tl.store(
+        DQ + rows64 * stride_dqm + offs_d[None, :] * stride_dqd,
+        dq.to(DQ.dtype.element_ty),
+        mask=q_mask,
+    )
+
+
+# --------------------------------------------------------------------------- launch configs
+
+
+class BlockConfig(NamedTuple):
+    """Tile sizes and launch options of one kernel."""
+
+    block_m: int  # query rows per tile
+    block_n: int  # key rows per tile
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+#: GPU tiles by bytes per head row (head_dim × element size): fwd, dkdv, dq.
+_GPU_CONFIGS = (
+    (128, BlockConfig(128, 64, 4, 3), BlockConfig(32, 128, 4, 3), BlockConfig(128, 32, 4, 3)),
+    (256, BlockConfig(128, 64, 8, 3), BlockConfig(32, 128, 8, 2), BlockConfig(128, 32, 8, 2)),
+    (512, BlockConfig(64, 32, 8, 2), BlockConfig(16, 64, 4, 2), BlockConfig(64, 16, 4, 2)),
+    (1024, BlockConfig(32, 32, 4, 1), BlockConfig(16, 32, 4, 1), BlockConfig(32, 16, 4, 1)),
+)
+_KERNELS = ("fwd", "dkdv", "dq")
+
+
+def block_config(kernel: str, head_dim: int, dtype: torch.dtype) -> BlockConfig:
+    """Tile sizes for ``kernel`` ("fwd", "dkdv" or "dq").
+
+    Under the interpreter: 16×16 tiles (each program step is a NumPy call; small tiles keep
+    multi-block paths exercised on the tiny shapes tests can afford). On a GPU: the usual
+    FlashAttention-2 shapes (forward 128 queries × 64 keys; dK/dV with a resident block of
+    128 keys streaming 32 queries; dQ the transpose), shrunk as head rows grow so the tiles
+    fit shared memory and registers. Fixed heuristics, not autotuning: one compile per shape
+    class and a deterministic choice (untuned on hardware so far).
+    """
+    if kernel not in _KERNELS:
+        raise ValueError(f"unknown kernel {kernel!r}; expected one of {_KERNELS}")
+    if runtime.interpreting():
+        return BlockConfig(16, 16, 1, 1)
+    row_bytes = _block_d(head_dim) * torch.empty((), dtype=dtype).element_size()
+    for limit, *configs in _GPU_CONFIGS:
+        if row_bytes <= limit:
+            return configs[_KERNELS.index(kernel)]
+    return _GPU_CONFIGS[-1][1 + _KERNELS.index(kernel)]
+
+
+def _precision(dtype: torch.dtype) -> str:
+    if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
+        return "ieee"
+    return "tf32"  # ignored by tl.dot for fp16/bf16 operands
+
+
+def _block_d(head_dim: int) -> int:
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+def _config(kernel: str, head_dim: int, dtype: torch.dtype, blocks) -> BlockConfig:
+    if blocks is None:
+        return block_config(kernel, head_dim, dtype)
+    bm, bn = blocks
+    return BlockConfig(bm, bn, 4, 2)
+
+
+def kernel_supports(q: Tensor, k: Tensor, v: Tensor) -> bool:
+    """True when the Triton kernels take these inputs: one supported dtype, one device, head
+    dim ≤ 256, and not bf16 in the CPU interpreter (its bf16 arithmetic is wrong in triton 3.9).
+    """
+    return (
+        q.dtype in SUPPORTED_DTYPES
+        and q.dtype == k.dtype == v.dtype
+        and q.shape[-1] <= MAX_HEAD_DIM
+        and q.device == k.device == v.device
+        and runtime.dtype_runs(q)
+    )
+
+
+# --------------------------------------------------------------------------- autograd
+
+
+def _padding_bytes(key_padding_mask: Tensor | None, b: int, tk: int, device) -> Tensor | None:
+    if key_padding_mask is None:
+        return None
+    if tuple(key_padding_mask.shape) != (b, tk):
+        raise ValueError(
+            f"key_padding_mask must be (B, Tk) = {(b, tk)}, got {tuple(key_padding_mask.shape)}"
+        )
+    return key_padding_mask.to(device=device, dtype=torch.uint8).contiguous()
+
+
+class FlashAttentionFunction(torch.autograd.Function):
+    """Autograd wrapper: forward saves (q, k, v, o, lse); backward recomputes P blockwise."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, slopes, kpm, causal, blocks):
+        b, hq, tq, d = q.shape
+        hkv, tk = k.shape[1], k.shape[2]
+        groups = hq // hkv
+        sm_scale = 1.0 / math.sqrt(d)
+        o = torch.empty((b, hq, tq, d), device=q.device, dtype=q.dtype)
+        lse = torch.empty((b, hq, tq), device=q.device, dtype=torch.float32)
+        dummy = lse  # any tensor: pointers behind a False HAS_* flag are never read
+        cfg = _config("fwd", d, q.dtype, blocks)
+        grid = (triton.cdiv(tq, cfg.block_m), b * hq)
+        runtime.kernel(_fwd_kernel)[grid](
+            q,
+            k,
+            v,
+            o,
+            lse,
+            slopes if slopes is not None else dummy,
+            kpm if kpm is not None else dummy,
+            *q.stride(),
+            *k.stride(),
+            *v.stride(),
+            *o.stride(),
+            kpm.stride(0) if kpm is not None else 0,
+            hq,
+            tq,
+            tk,
+            sm_scale,
+            GROUPS=groups,
+            HEAD_DIM=d,
+            CAUSAL=causal,
+            HAS_BIAS=slopes is not None,
+            HAS_KPM=kpm is not None,
+            PRECISION=_precision(q.dtype),
+            BLOCK_M=cfg.block_m,
+            BLOCK_N=cfg.block_n,
+            BLOCK_D=_block_d(d),
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+        )
+        ctx.save_for_backward(q, k, v, o, lse, slopes, kpm)
+        ctx.causal = causal
+        ctx.blocks = blocks
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse, slopes, kpm = ctx.saved_tensors
+        b, hq, tq, d = q.shape
+        hkv, tk = k.shape[1], k.shape[2]
+        groups = hq // hkv
+        sm_scale = 1.0 / math.sqrt(d)
+        block_d = _block_d(d)
+        precision = _precision(q.dtype)
+        flags = {
+            "GROUPS": groups,
+            "HEAD_DIM": d,
+            "CAUSAL": ctx.causal,
+            "HAS_BIAS": slopes is not None,
+            "HAS_KPM": kpm is not None,
+            "PRECISION": precision,
+            "BLOCK_D": block_d,
+        }
+        slopes_arg = slopes if slopes is not None else lse
+        kpm_arg = kpm if kpm is not None else lse
+        kpm_stride = kpm.stride(0) if kpm is not None else 0
+
+        delta = torch.empty_like(lse)
+        pre_m = 16 if runtime.interpreting() else 64
+        runtime.kernel(_bwd_preprocess_kernel)[(triton.cdiv(tq, pre_m), b * hq)](
+            o,
+            do,
+            delta,
+            *o.stride(),
+            *do.stride(),
+            hq,
+            tq,
+            HEAD_DIM=d,
+            BLOCK_M=pre_m,
+            BLOCK_D=block_d,
+        )
+
+        dq = dk = dv = None
+        if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
+            dk = torch.empty_like(k, memory_format=torch.contiguous_format)
+            dv = torch.empty_like(v, memory_format=torch.contiguous_format)
+            cfg = _config("dkdv", d, q.dtype, ctx.blocks)
+            runtime.kernel(_bwd_dkdv_kernel)[(triton.cdiv(tk, cfg.block_n), b * hkv)](
+                q,
+                k,
+                v,
+                do,
+                lse,
+                delta,
+                dk,
+                dv,
+                slopes_arg,
+                kpm_arg,
+                *q.stride(),
+                *k.stride(),
+                *v.stride(),
+                *do.stride(),
+                *dk.stride(),
+                *dv.stride(),
+                kpm_stride,
+                hq,
+                hkv,
+                tq,
+                tk,
+                sm_scale,
+                BLOCK_M=cfg.block_m,
+                BLOCK_N=cfg.block_n,
+                num_warps=cfg.num_warps,
+                num_stages=cfg.num_stages,
+                **flags,
+            )
+        if ctx.needs_input_grad[0]:
+            dq = torch.empty_like(q, memory_format=torch.contiguous_format)
+            cfg = _config("dq", d, q.dtype, ctx.blocks)
+            runtime.kernel(_bwd_dq_kernel)[(triton.cdiv(tq, cfg.block_m), b * hq)](
+                q,
+                k,
+                v,
+                do,
+                lse,
+                delta,
+                dq,
+                slopes_arg,
+                kpm_arg,
+                *q.stride(),
+                *k.stride(),
+                *v.stride(),
+                *do.stride(),
+                *dq.stride(),
+                kpm_stride,
+                hq,
+                tq,
+                tk,
+                sm_scale,
+                BLOCK_M=cfg.block_m,
+                BLOCK_N=cfg.block_n,
+                num_warps=cfg.num_warps,
+                num_stages=cfg.num_stages,
+                **flags,
+            )
+        return dq, dk, dv, None, None, None, None
+
+
+# --------------------------------------------------------------------------- entry points
+
+
+def flash_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    causal: bool = True,
+    bias: DistanceBias | None = None,
+    key_padding_mask: Tensor | None = None,
+    blocks: tuple[int, int] | None = None,
+) -> Tensor:
+    """Attention through the fused Triton kernels (the AttentionKernel contract).
+
+    q (B, Hq, Tq, D); k, v (B, Hkv, Tk, D) with Hq a multiple of Hkv and Tk ≥ Tq; query i at
+    key position Tk − Tq + i; ``key_padding_mask`` (B, Tk) True where a key may be attended;
+    ``bias`` an ALiBi-style :class:`DistanceBias`. Inputs must satisfy
+    :func:`kernel_supports` and sit where :func:`llmkit.kernels.runtime.use_triton` allows.
+    ``blocks`` = (BLOCK_M, BLOCK_N) overrides the tile sizes of all kernels (tests).
+    """
+    check_shapes(q, k, v)
+    if not kernel_supports(q, k, v):
+        raise ValueError(
+            f"flash_attention takes {[str(t) for t in SUPPORTED_DTYPES]} q/k/v of one dtype "
+            f"on one device with head dim ≤ {MAX_HEAD_DIM}; got {q.dtype}/{k.dtype}/{v.dtype}, "
+            f"head dim {q.shape[-1]}"
+        )
+    if q.shape[2] == 0:
+        return q.new_zeros(q.shape)
+    slopes = None
+    if bias is not None:
+        slopes = bias.slopes.detach().to(device=q.device, dtype=torch.float32).contiguous()
+        if slopes.shape != (q.shape[1],):
+            raise ValueError(f"bias has {tuple(slopes.shape)} slopes for {q.shape[1]} heads")
+    kpm = _padding_bytes(key_padding_mask, q.shape[0], k.shape[2], q.device)
+    return FlashAttentionFunction.apply(q, k, v, slopes, kpm, bool(causal), blocks)
+
+
+def flash_attention_reference(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    causal: bool = True,
+    bias: DistanceBias | None = None,
+    key_padding_mask: Tensor | None = None,
+) -> Tensor:
+    """The plain-PyTorch path the ``flash`` component takes without Triton: the same contract
+    through :func:`~llmkit.components.attention.sdpa.sdpa_attention` (memory-efficient on
+    CPU, no L×L tensor for plain causal calls)."""
+    return sdpa_attention(q, k, v, causal=causal, bias=bias, key_padding_mask=key_padding_mask)

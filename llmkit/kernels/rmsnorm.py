@@ -1,0 +1,166 @@
+"""Fused RMSNorm (Zhang & Sennrich 2019, "Root Mean Square Layer Normalization") in Triton.
+
+``y = x · r · w`` with ``r = 1 / sqrt(mean(x²) + eps)`` over the last dimension, all math in
+fp32, the output cast to the input dtype (as the plain ``rmsnorm`` component and LLaMA do).
+
+- Forward: one program per row; it reads the row once, stores y and r (fp32, one per row).
+- Backward: with x̂ = x·r and g = dy·w, ``dx = r · (g − x̂ · mean(g ∘ x̂))`` and
+  ``dw = Σ_rows dy ∘ x̂``. A fixed number of programs each walk a strided set of rows,
+  accumulating their share of dw in fp32 registers; the partial sums (programs × C) are added
+  in PyTorch. No atomics, so gradients are bit-identical between runs.
+
+The PyTorch reference is :class:`llmkit.components.norm.rmsnorm.RMSNorm`.
+
+Kernels are plain functions jitted on first launch, once per mode (interpreted when
+``TRITON_INTERPRET=1`` at call time, compiled otherwise): ``triton.jit`` freezes that choice
+when it runs, and jitting lazily keeps this module independent of import order.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from llmkit.kernels import runtime
+
+#: Input dtypes the kernel accepts.
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+#: Largest feature size held in one tile (a row lives in registers); wider rows use PyTorch.
+MAX_FEATURES = 16384
+
+
+def _fwd_kernel(X, W, Y, RSTD, stride_x, stride_y, N_COLS, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < N_COLS
+    x = tl.load(X + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
+    w = tl.load(W + cols, mask=ok, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, 0) / N_COLS + eps)
+    tl.store(Y + row * stride_y + cols, (x * rstd * w).to(Y.dtype.element_ty), mask=ok)
+    tl.store(RSTD + row, rstd)
+
+
+def _bwd_kernel(
+    X,
+    W,
+    DY,
+    RSTD,
+    DX,
+    DW_PARTIAL,
+    stride_x,
+    stride_dy,
+    stride_dx,
+    N_ROWS,
+    N_COLS,
+    BLOCK: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    n_progs = tl.num_programs(0)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < N_COLS
+    w = tl.load(W + cols, mask=ok, other=0.0).to(tl.float32)
+    dw = tl.zeros([BLOCK], tl.float32)
+    for r64 in range(pid.to(tl.int64), N_ROWS, n_progs):
+        x = tl.load(X + r64 * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
+        dy = tl.load(DY + r64 * stride_dy + cols, mask=ok, other=0.0).to(tl.float32)
+        rstd = tl.load(RSTD + r64)
+        xhat = x * rstd
+        g = dy * w
+        dx = rstd * (g - xhat * (tl.sum(g * xhat, 0) / N_COLS))
+        tl.store(DX + r64 * stride_dx + cols, dx.to(DX.dtype.element_ty), mask=ok)
+        dw += dy * xhat
+    tl.store(DW_PARTIAL + pid.to(tl.int64) * N_COLS + cols, dw, mask=ok)
+
+
+def _warps(block: int) -> int:
+    return max(1, min(16, block // 256))
+
+
+def _bwd_programs(rows: int, device: torch.device) -> int:
+    """Programs of the backward: a few per SM on a GPU, 4 in the interpreter."""
+    if device.type == "cuda":
+        return max(1, min(rows, 4 * torch.cuda.get_device_properties(device).multi_processor_count))
+    return max(1, min(rows, 4))
+
+
+class RMSNormFunction(torch.autograd.Function):
+    """Autograd wrapper of the fused RMSNorm kernels (see the module docstring)."""
+
+    @staticmethod
+    def forward(
+        ctx: torch.autograd.function.FunctionCtx, x: Tensor, weight: Tensor, eps: float
+    ) -> Tensor:
+        shape = x.shape
+        cols = shape[-1]
+        x2 = x.reshape(-1, cols)
+        if x2.stride(-1) != 1:
+            x2 = x2.contiguous()
+        rows = x2.shape[0]
+        y = torch.empty((rows, cols), dtype=x.dtype, device=x.device)
+        rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
+        block = triton.next_power_of_2(cols)
+        if rows:
+            runtime.kernel(_fwd_kernel)[(rows,)](
+                x2,
+                weight,
+                y,
+                rstd,
+                x2.stride(0),
+                y.stride(0),
+                cols,
+                eps,
+                BLOCK=block,
+                num_warps=_warps(block),
+            )
+        ctx.save_for_backward(x2, weight, rstd)
+        ctx.block = block
+        return y.view(shape)
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, dy: Tensor):
+        x2, weight, rstd = ctx.saved_tensors
+        rows, cols = x2.shape
+        dy2 = dy.reshape(rows, cols)
+        if dy2.stride(-1) != 1:
+            dy2 = dy2.contiguous()
+        dx = torch.empty_like(x2, memory_format=torch.contiguous_format)
+        programs = _bwd_programs(rows, x2.device)
+        partial = torch.zeros(programs, cols, dtype=torch.float32, device=x2.device)
+        if rows:
+            runtime.kernel(_bwd_kernel)[(programs,)](
+                x2,
+                weight,
+                dy2,
+                rstd,
+                dx,
+                partial,
+                x2.stride(0),
+                dy2.stride(0),
+                dx.stride(0),
+                rows,
+                cols,
+                BLOCK=ctx.block,
+                num_warps=_warps(ctx.block),
+            )
+        dw = partial.sum(0).to(weight.dtype)
+        return dx.view(dy.shape), dw, None
+
+
+def supported(x: Tensor, weight: Tensor) -> bool:
+    """True when the kernel handles these tensors (dtype, size, device rules)."""
+    if x.dtype not in DTYPES or weight.dtype not in DTYPES or x.shape[-1] > MAX_FEATURES:
+        return False
+    if x.device != weight.device:
+        return False
+    # The interpreter computes bf16 arithmetic wrongly (triton 3.9); keep bf16 off it.
+    bf16 = torch.bfloat16 in (x.dtype, weight.dtype)
+    return not (bf16 and not x.is_cuda and runtime.interpreting())
+
+
+def rms_norm_triton(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """RMSNorm of ``x`` over its last dimension by the fused kernels (differentiable)."""
+    if x.shape[-1] != weight.shape[0]:
+        raise ValueError(f"weight {tuple(weight.shape)} does not match x {tuple(x.shape)}")
+    return RMSNormFunction.apply(x, weight.contiguous(), eps)

@@ -1,0 +1,100 @@
+"""Fused SwiGLU activation (Shazeer 2020, "GLU Variants Improve Transformer") in Triton.
+
+``h = silu(g) · u = g · σ(g) · u`` elementwise, for the gate and up projections of a SwiGLU
+feed-forward block. Fusing reads g and u once and writes h once (the unfused PyTorch form
+writes and re-reads silu(g)); the math is fp32, stored in the input dtype.
+
+Backward recomputes σ(g) from the saved inputs instead of storing activations:
+``du = dh · silu(g)`` and ``dg = dh · u · σ(g) · (1 + g · (1 − σ(g)))``.
+Elementwise, so gradients are deterministic.
+
+The PyTorch reference is ``F.silu(gate) * up`` (:meth:`llmkit.components.ffn.swiglu.SwiGLU.
+activate`).
+
+Kernels are plain functions jitted on first launch, once per mode (interpreted when
+``TRITON_INTERPRET=1`` at call time, compiled otherwise): ``triton.jit`` freezes that choice
+when it runs, and jitting lazily keeps this module independent of import order.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from llmkit.kernels import runtime
+
+#: Input dtypes the kernel accepts.
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _fwd_kernel(G, U, H, N, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < N
+    g = tl.load(G + offs, mask=ok, other=0.0).to(tl.float32)
+    u = tl.load(U + offs, mask=ok, other=0.0).to(tl.float32)
+    h = g * tl.sigmoid(g) * u
+    tl.store(H + offs, h.to(H.dtype.element_ty), mask=ok)
+
+
+def _bwd_kernel(G, U, DH, DG, DU, N, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < N
+    g = tl.load(G + offs, mask=ok, other=0.0).to(tl.float32)
+    u = tl.load(U + offs, mask=ok, other=0.0).to(tl.float32)
+    dh = tl.load(DH + offs, mask=ok, other=0.0).to(tl.float32)
+    sig = tl.sigmoid(g)
+    silu = g * sig
+    tl.store(DU + offs, (dh * silu).to(DU.dtype.element_ty), mask=ok)
+    dg = dh * u * sig * (1.0 + g * (1.0 - sig))
+    tl.store(DG + offs, dg.to(DG.dtype.element_ty), mask=ok)
+
+
+def _block(device: torch.device) -> int:
+    return 1024 if device.type == "cuda" else 256
+
+
+class SwiGLUFunction(torch.autograd.Function):
+    """Autograd wrapper of the fused SwiGLU kernels (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, gate: Tensor, up: Tensor) -> Tensor:
+        gate, up = gate.contiguous(), up.contiguous()
+        h = torch.empty_like(gate)
+        n = gate.numel()
+        block = _block(gate.device)
+        if n:
+            runtime.kernel(_fwd_kernel)[(triton.cdiv(n, block),)](
+                gate, up, h, n, BLOCK=block, num_warps=4
+            )
+        ctx.save_for_backward(gate, up)
+        return h
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, dh: Tensor):
+        gate, up = ctx.saved_tensors
+        dh = dh.contiguous()
+        dg, du = torch.empty_like(gate), torch.empty_like(up)
+        n = gate.numel()
+        block = _block(gate.device)
+        if n:
+            runtime.kernel(_bwd_kernel)[(triton.cdiv(n, block),)](
+                gate, up, dh, dg, du, n, BLOCK=block, num_warps=4
+            )
+        return dg, du
+
+
+def supported(gate: Tensor, up: Tensor) -> bool:
+    """True when the kernel handles these tensors (same shape, dtype and device rules)."""
+    if gate.shape != up.shape or gate.dtype != up.dtype or gate.dtype not in DTYPES:
+        return False
+    if gate.device != up.device:
+        return False
+    # The interpreter computes bf16 arithmetic wrongly (triton 3.9); keep bf16 off it.
+    return runtime.dtype_runs(gate)
+
+
+def swiglu_triton(gate: Tensor, up: Tensor) -> Tensor:
+    """``silu(gate) * up`` by the fused kernels (differentiable)."""
+    return SwiGLUFunction.apply(gate, up)

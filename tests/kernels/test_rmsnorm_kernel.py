@@ -1,0 +1,164 @@
+"""The fused RMSNorm Triton kernel (llmkit.kernels.rmsnorm) and the ``rmsnorm_triton``
+component, run in the Triton interpreter without a GPU.
+
+Accuracy criterion: the reference is ``F.rms_norm`` in float64; the plain ``rmsnorm``
+component in the input dtype ("pt", fp32 math, output cast back) sets the error budget. For
+y, dx and dweight::
+
+    max|kernel − ref| ≤ 2 · max|pt − ref| + floor,   floor = 1e-5 (fp32), 2e-3 (fp16),
+                                                      1e-2 (bf16, CUDA only)
+
+bf16 is skipped in the interpreter (its bf16 arithmetic is wrong in triton 3.9).
+"""
+
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from llmkit.components.base import BuildContext
+from llmkit.components.norm.rmsnorm import RMSNorm
+from llmkit.components.norm.rmsnorm_triton import RMSNormTriton
+from llmkit.kernels import runtime
+
+rn = pytest.importorskip("llmkit.kernels.rmsnorm", reason="needs triton")
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+FLOOR = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+BF16 = pytest.param(
+    torch.bfloat16,
+    marks=pytest.mark.skipif(
+        not CUDA, reason="the Triton interpreter's bf16 arithmetic is wrong (triton 3.9)"
+    ),
+)
+EPS = 1e-6
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def ctx(dim: int) -> BuildContext:
+    return BuildContext(
+        d_model=dim, n_heads=2, n_kv_heads=2, head_dim=dim // 2, max_seq_len=8, n_layers=1
+    )
+
+
+def inputs(shape, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*shape, generator=g) * 3 + 0.5
+    w = torch.rand(shape[-1], generator=g) + 0.5
+    dy = torch.randn(*shape, generator=g)
+    return x, w, dy
+
+
+def grads(fn, x, w, dy, dtype):
+    x = x.to(DEVICE, dtype).requires_grad_(True)
+    w = w.to(DEVICE, dtype).requires_grad_(True)
+    y = fn(x, w)
+    return [y.detach(), *torch.autograd.grad(y, (x, w), dy.to(DEVICE, dtype))]
+
+
+def plain(x, w):
+    """The plain ``rmsnorm`` component's forward, with ``w`` as its weight."""
+    return RMSNorm.forward(SimpleNamespace(features=x.shape[-1], weight=w, eps=EPS), x)
+
+
+def test_in_interpreter_subprocess(rerun_in_interpreter):
+    """Where this process cannot interpret Triton, run the module in a child that can."""
+    rerun_in_interpreter(__file__)
+
+
+@pytest.mark.usefixtures("interpret")
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.float16, BF16], ids=["fp32", "fp16", "bf16"]
+)
+@pytest.mark.parametrize("shape", [(3, 7, 40), (1, 16), (2, 5, 64)], ids=str)
+def test_kernel_matches_reference(shape, dtype):
+    x, w, dy = inputs(shape, seed=len(shape))
+    got = grads(lambda x, w: rn.rms_norm_triton(x, w, EPS), x, w, dy, dtype)
+    pt = grads(plain, x, w, dy, dtype)
+    ref = grads(lambda x, w: F.rms_norm(x, (x.shape[-1],), w, EPS), x, w, dy, torch.float64)
+    for name, a, p, r in zip(("y", "dx", "dw"), got, pt, ref, strict=True):
+        assert a.dtype == dtype and a.shape == r.shape, name
+        err = (a.double() - r).abs().max().item()
+        budget = 2 * (p.double() - r).abs().max().item() + FLOOR[dtype]
+        assert err <= budget, f"{name}: kernel error {err:.2e} > budget {budget:.2e}"
+
+
+@pytest.mark.usefixtures("interpret")
+def test_strided_rows_and_deterministic_backward():
+    """Rows with a stride wider than the features (a column slice, kept as a view) give the
+    plain result; reruns of forward and backward are bit-identical."""
+    wide, w, dy = inputs((6, 4, 32), seed=3)
+    view, dy = wide.to(DEVICE)[..., :24], dy[..., :24]
+
+    def kernel(x, w):
+        assert x.reshape(-1, 24).stride(0) == 32  # the kernel reads the strided rows
+        return rn.rms_norm_triton(x, w, EPS)
+
+    first = grads(kernel, view, w[:24], dy, torch.float32)
+    again = grads(kernel, view, w[:24], dy, torch.float32)
+    for a, b in zip(first, again, strict=True):
+        assert torch.equal(a, b)
+    ref = grads(plain, view, w[:24], dy, torch.float32)
+    for a, r in zip(first, ref, strict=True):
+        torch.testing.assert_close(a, r, atol=1e-5, rtol=1e-5)
+
+
+def test_component_shares_options_and_weights_with_rmsnorm():
+    assert RMSNormTriton.Options is RMSNorm.Options
+    plain_norm = RMSNorm(RMSNorm.Options(eps=1e-5), ctx(16))
+    fused = RMSNormTriton(RMSNormTriton.Options(eps=1e-5), ctx(16))
+    assert list(fused.state_dict()) == list(plain_norm.state_dict()) == ["weight"]
+    with torch.no_grad():
+        plain_norm.weight.uniform_(0.5, 1.5)
+    fused.load_state_dict(plain_norm.state_dict())
+    plain_norm.load_state_dict(fused.state_dict())
+    x = torch.randn(2, 3, 16)
+    torch.testing.assert_close(fused(x), plain_norm(x))
+
+
+@pytest.mark.usefixtures("interpret")
+def test_component_dispatch(monkeypatch):
+    """The kernel for fp32/fp16; the reference for bf16 in the interpreter."""
+    calls: list[int] = []
+    real = rn.RMSNormFunction.apply
+    monkeypatch.setattr(rn.RMSNormFunction, "apply", lambda *a: calls.append(1) or real(*a))
+    norm = RMSNormTriton(RMSNormTriton.Options(), ctx(16)).to(DEVICE)
+    x = torch.randn(2, 3, 16, device=DEVICE)
+    torch.testing.assert_close(norm(x), RMSNorm.forward(norm, x), atol=1e-6, rtol=1e-5)
+    assert calls == [1]
+    y = norm.bfloat16()(x.bfloat16())
+    assert y.dtype == torch.bfloat16
+    assert calls == [1, 1] if CUDA else [1]
+
+
+def test_component_reference_path_without_interpreter_logs_once(monkeypatch, caplog):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(runtime, "_announced", set())
+
+    def boom(*args):
+        raise AssertionError("the Triton kernel ran on CPU without the interpreter")
+
+    monkeypatch.setattr(rn.RMSNormFunction, "apply", boom)
+    norm = RMSNormTriton(RMSNormTriton.Options(), ctx(16))
+    x = torch.randn(2, 3, 16)
+    with caplog.at_level(logging.INFO, logger="llmkit.kernels"):
+        y = norm(x)
+        norm(x)
+    torch.testing.assert_close(y, RMSNorm.forward(norm, x))
+    notes = [r for r in caplog.records if "norm.rmsnorm_triton" in r.getMessage()]
+    assert len(notes) == 1 and "reference" in notes[0].getMessage()
+
+
+def test_runtime_backend(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    line = RMSNormTriton.runtime_backend()
+    assert line.startswith("norm.rmsnorm_triton:")
+    assert ("Triton kernel on CUDA" if CUDA else "reference") in line
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert "interpreter" in RMSNormTriton.runtime_backend()
