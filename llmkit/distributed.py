@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import logging
 import os
 import sys
 from collections.abc import Iterator, Sequence
@@ -26,6 +27,8 @@ import torch
 from torch import nn
 
 from llmkit.errors import LlmkitError
+
+log = logging.getLogger("llmkit.distributed")
 
 #: Set once a process group was created here; ``exit_process`` then tears it down.
 _INITIALIZED = False
@@ -145,8 +148,10 @@ def wrap(model: nn.Module, ctx: DistContext, train: Any, precision: str) -> nn.M
         "mp_policy": MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32),
         "reshard_after_forward": train.fsdp_reshard_after_forward,
     }
-    if train.fsdp_cpu_offload:
+    if train.fsdp_cpu_offload and ctx.device.type != "cpu":
         kw["offload_policy"] = CPUOffloadPolicy()
+    elif train.fsdp_cpu_offload and ctx.is_main:
+        log.info("train.fsdp_cpu_offload: training on the CPU already; nothing to offload")
     for block in model.layers:
         fully_shard(block, **kw)
     fully_shard(model, **kw)

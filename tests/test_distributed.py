@@ -294,3 +294,31 @@ def test_launcher_environment_is_checked(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(LlmkitError, match=r"train\.parallel is 'none'"):
         distributed.setup("none", "cpu", 60)
+
+
+def test_accumulation_all_reduces_only_on_the_last_micro_step(tmp_path):
+    """DDP (a real 1-process gloo group) counts its gradient all-reduces through a comm
+    hook: three micro-steps under ``grad_sync`` give one round of bucket reductions."""
+    import torch.distributed as td
+    from torch.nn.parallel import DistributedDataParallel
+
+    store = td.FileStore(str(tmp_path / "store"), 1)
+    td.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        model = DistributedDataParallel(torch.nn.Linear(4, 4))
+        calls = []
+
+        def hook(state, bucket):
+            calls.append(bucket.index())
+            fut = torch.futures.Future()
+            fut.set_result(bucket.buffer())
+            return fut
+
+        model.register_comm_hook(None, hook)
+        ctx = distributed.DistContext(world_size=2, parallel="ddp")  # as a 2-rank job sees it
+        for micro in range(3):
+            with distributed.grad_sync(model, ctx, sync=micro == 2):
+                model(torch.randn(2, 4)).sum().backward()
+            assert len(calls) == (1 if micro == 2 else 0)
+    finally:
+        td.destroy_process_group()
