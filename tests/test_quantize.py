@@ -122,9 +122,10 @@ def test_cli_eval_reports_both_sizes_and_perplexities(tmp_path, capsys):
     data.write_text("hello there, general kenobi.\n" * 8)
     argv = ["eval", str(tmp_path), "--data", str(data), "--quantize", "int8", "--device", "cpu"]
     assert cli.main([*argv, "--json"]) == 0
-    out = capsys.readouterr().out
-    assert "int8" in out and "smaller" in out and "perplexity" in out
-    report = json.loads(out[out.index("{") :])
+    captured = capsys.readouterr()
+    err = captured.err  # with --json the human report goes to stderr, the JSON to stdout
+    assert "int8" in err and "smaller" in err and "perplexity" in err
+    report = json.loads(captured.out)
     assert report["int8"]["weight_bytes"] < report["weight_bytes"]
     assert abs(report["int8"]["loss"] - report["loss"]) < 0.05
     assert Generator(str(tmp_path), quantize="int8").generate("he", max_new_tokens=3)[0].ids
