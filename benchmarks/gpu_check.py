@@ -1,0 +1,467 @@
+"""GPU check of the Triton kernels: correctness in bf16, then speed against PyTorch SDPA.
+
+Run on a machine with a CUDA GPU (``bash benchmarks/gpu_check.sh [OUT]``, or
+``python -m benchmarks.gpu_check --out OUT`` from the repository root). Components are
+resolved by name through the registry, so the real components run, Triton paths included.
+
+1. Correctness, the way flash-attention tests it: every kernel runs in bf16 on the GPU and is
+   compared with an fp32 reference computed from the same (bf16-rounded) inputs; it passes
+   when its largest error is at most 2× that of a plain PyTorch computation in bf16 (plus
+   1e-4). Forward output and every gradient (dq, dk, dv; dx and each parameter) are checked.
+
+   - attention (``flash``, ``sliding_window``): reference
+     :func:`llmkit.testing.reference_attention` in fp32 (with the kernel's ``cache_window``
+     as window); plain = the same softmax attention computed in bf16. Batch 2, 4 query heads
+     (2 kv heads when the component declares ``gqa``), N = 257 and 1024, D = 64 and 128,
+     causal and (unless ``causal_only``) non-causal. Backward determinism (bit-identical
+     gradients on a rerun) is reported, not required.
+   - ffn / norm (``swiglu_triton``, ``rmsnorm_triton``): reference = a copy of the module
+     in fp32 on the CPU (the plain PyTorch path, per :mod:`llmkit.kernels.runtime`); plain =
+     a copy in bf16 on the CPU. Parameters are perturbed from their initial values first.
+
+2. Speed: attention forward and forward+backward, causal, bf16, N = 1k…16k, D = 64 and 128,
+   B = 16384/N and H = 2048/D (constant tokens × width), for ``flash`` and ``sliding_window``
+   against the ``sdpa`` component forced to its flash backend
+   (``sdpa_kernel(SDPBackend.FLASH_ATTENTION)``); TFLOP/s by the formulas of
+   :mod:`llmkit.bench_kernels` (sliding window: windowed FLOPs). Then the Triton norm and ffn
+   against their PyTorch counterparts over 4k…64k tokens at width 4096.
+
+Writes ``gpu_check.md`` (the tables), ``gpu_check.json`` (every record) and PNG plots under
+``--out``. Exit status: 0 all good; 1 a check failed, a component is missing or a benchmark
+errored; 2 no CUDA GPU (or ``TRITON_INTERPRET`` set). A time budget (``--budget``, default
+420 s) skips benchmark cases left when it runs out, so the whole run stays well under 8 min.
+
+``--dry-run`` runs everything on the CPU at tiny shapes, in seconds: it checks this script's
+logic (``tests/test_bench_kernels.py`` runs it) but no Triton kernel, since on a CPU every
+component takes its PyTorch reference path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime as dt
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from llmkit import bench_kernels as bk
+from llmkit.components.base import BuildContext
+
+CHECKS = ("attention.flash", "attention.sliding_window", "norm.rmsnorm_triton", "ffn.swiglu_triton")
+ATTENTION_BENCH = ("flash", "sliding_window")
+#: (kind, component, its PyTorch counterpart) timed against each other.
+TOKEN_BENCH = (("norm", "rmsnorm_triton", "rmsnorm"), ("ffn", "swiglu_triton", "swiglu"))
+SDPA_FLASH = "sdpa-flash"
+
+GPU = {
+    "seq_lens": (1024, 2048, 4096, 8192, 16384),
+    "head_dims": (64, 128),
+    "check_lens": (257, 1024),
+    "tokens": (4096, 16384, 65536),
+    "d_model": 4096,
+    "check_width": {"norm": 1024, "ffn": 512},
+    "check_tokens": 129,
+    "warmup": 3,
+    "repeats": 10,
+    "min_repeat_s": 0.02,
+}
+DRY = {
+    "seq_lens": (64, 128),
+    "head_dims": (16,),
+    "check_lens": (33, 64),
+    "tokens": (64, 128),
+    "d_model": 64,
+    "check_width": {"norm": 64, "ffn": 64},
+    "check_tokens": 17,
+    "warmup": 1,
+    "repeats": 2,
+    "min_repeat_s": 0.0,
+}
+
+
+class SetupError(Exception):
+    """The machine cannot run the check (no GPU, interpreter on)."""
+
+
+@dataclass
+class Check:
+    component: str
+    case: str
+    quantity: str
+    error: float
+    plain_error: float
+    tolerance: float
+    ok: bool
+    note: str = ""
+
+
+def _one_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}"
+
+
+def _err(a: Tensor, b: Tensor) -> float:
+    return (a.detach().float().cpu() - b.detach().float().cpu()).abs().max().item()
+
+
+def _compare(component: str, case: str, pairs: dict[str, tuple[Tensor, Tensor, Tensor]]) -> list:
+    """pairs: quantity → (kernel value, plain value, fp32 reference)."""
+    out = []
+    for quantity, (got, plain, ref) in pairs.items():
+        if got is None or ref is None:
+            note = "no gradient" if got is None else "no reference gradient"
+            out.append(Check(component, case, quantity, math.nan, math.nan, 0.0, False, note))
+            continue
+        err, perr = _err(got, ref), _err(plain, ref)
+        tol = 2 * perr + 1e-4
+        finite = bool(torch.isfinite(got).all())
+        ok = finite and err <= tol
+        out.append(Check(component, case, quantity, err, perr, tol, ok, "" if finite else "nan"))
+    return out
+
+
+def plain_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, window: int | None) -> Tensor:
+    """Softmax attention computed entirely in the inputs' dtype (what a plain PyTorch model in
+    bf16 computes); bottom-right aligned, GQA by repeating kv heads."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    tq, tk = q.shape[2], k.shape[2]
+    scores = (q @ k.transpose(-1, -2)) * (1.0 / math.sqrt(q.shape[-1]))
+    if causal:
+        qpos = torch.arange(tk - tq, tk, device=q.device)[:, None]
+        kpos = torch.arange(tk, device=q.device)[None, :]
+        allowed = kpos <= qpos
+        if window is not None:
+            allowed &= kpos > qpos - window
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    return torch.softmax(scores, dim=-1) @ v
+
+
+def _grads(fn: Any, inputs: tuple[Tensor, ...], dout: Tensor) -> tuple[Tensor, tuple]:
+    """fn's output on fresh leaf copies of ``inputs``, and the gradients for ``dout``."""
+    leaves = [t.detach().clone().requires_grad_(True) for t in inputs]
+    out = fn(*leaves)
+    return out, torch.autograd.grad(out, leaves, dout)
+
+
+def attention_case(
+    name: str, module: Any, qkv: tuple[Tensor, ...], dout: Tensor, causal: bool, case: str
+) -> list[Check]:
+    """Compare one kernel call (output, dq, dk, dv) with the fp32 reference and plain bf16."""
+    from llmkit.testing import reference_attention
+
+    window = getattr(module, "cache_window", None) if causal else None
+
+    def kernel(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        return module(q, k, v, causal=causal)
+
+    def ref(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        return reference_attention(q, k, v, causal=causal, window=window)
+
+    def plain(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        return plain_attention(q, k, v, causal, window)
+
+    got, grads = _grads(kernel, qkv, dout)
+    want, rgrads = _grads(ref, tuple(t.float() for t in qkv), dout.float())
+    pl, pgrads = _grads(plain, qkv, dout)
+    pairs = {"out": (got, pl, want)}
+    for quantity, g, p, r in zip(("dq", "dk", "dv"), grads, pgrads, rgrads):
+        pairs[quantity] = (g, p, r)
+    checks = _compare(name, case, pairs)
+    _, again = _grads(kernel, qkv, dout)
+    same = all(torch.equal(a, b) for a, b in zip(grads, again))
+    checks[-1].note = "deterministic backward" if same else "backward not bit-identical"
+    return checks
+
+
+def check_attention(
+    record: Any, device: str, dtype: torch.dtype, lens: tuple[int, ...], dims: tuple[int, ...]
+) -> list[Check]:
+    caps = dict(record.capabilities or {})
+    hq, hkv = 4, (2 if caps.get("gqa") else 4)
+    out: list[Check] = []
+    for n in lens:
+        for d in dims:
+            ctx = BuildContext(d_model=hq * d, n_heads=hq, n_kv_heads=hkv, head_dim=d,
+                               max_seq_len=n, n_layers=1)  # fmt: skip
+            module = bk.build(bk.Entry(record.name, record), ctx, device, dtype).eval()
+            gen = torch.Generator().manual_seed(n * 1000 + d)
+            shapes = [(2, hq, n, d), (2, hkv, n, d), (2, hkv, n, d), (2, hq, n, d)]
+            q, k, v, dout = (torch.randn(*s, generator=gen).to(device, dtype) for s in shapes)
+            for causal in (True, False) if not caps.get("causal_only") else (True,):
+                window = getattr(module, "cache_window", None) if causal else None
+                case = f"B=2 Hq={hq} Hkv={hkv} N={n} D={d} causal={causal}"
+                case += f" W={window}" if window else ""
+                out += attention_case(record.name, module, (q, k, v), dout, causal, case)
+    return out
+
+
+def check_module(record: Any, device: str, dtype: torch.dtype, width: int, tokens: int) -> list:
+    """ffn / norm: the module in ``dtype`` on ``device`` against an fp32 and a same-dtype copy
+    on the CPU (the plain PyTorch path)."""
+    heads = max(1, width // 64)
+    ctx = BuildContext(d_model=width, n_heads=heads, n_kv_heads=heads, head_dim=width // heads,
+                       max_seq_len=tokens, n_layers=1)  # fmt: skip
+    torch.manual_seed(0)
+    base = bk.build(bk.Entry(record.name, record), ctx, "cpu", torch.float32)
+    with torch.no_grad():
+        for p in base.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    kernel = copy.deepcopy(base).to(device=device, dtype=dtype)
+    plain = copy.deepcopy(base).to(dtype=dtype)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(2, tokens, width, generator=gen).to(dtype)
+    dout = torch.randn(2, tokens, width, generator=gen).to(dtype)
+
+    def run(module: torch.nn.Module, dev: str, cast: Any) -> tuple[Tensor, list]:
+        xl = cast(x).to(dev).detach().requires_grad_(True)
+        params = [p for _, p in module.named_parameters()]
+        o = module(xl)
+        grads = torch.autograd.grad(o, [xl, *params], cast(dout).to(dev), allow_unused=True)
+        return o, list(grads)
+
+    got, grads = run(kernel, device, lambda t: t)
+    ref, rgrads = run(base, "cpu", lambda t: t.float())
+    pl, pgrads = run(plain, "cpu", lambda t: t)
+    names = ["dx"] + [f"d{name}" for name, _ in base.named_parameters()]
+    pairs = {"out": (got, pl, ref)}
+    for name, g, p, r in zip(names, grads, pgrads, rgrads):
+        pairs[name] = (g, p, r)
+    return _compare(record.name, f"x 2×{tokens}×{width}", pairs)
+
+
+# -- benchmarks -------------------------------------------------------------------------------
+
+
+def sdpa_flash_context() -> Any:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel(SDPBackend.FLASH_ATTENTION)
+
+
+def bench_attention(reg: Any, device: str, cfg: dict, deadline: float) -> list[dict]:
+    present = [n for n in ATTENTION_BENCH if n in reg.names("attention")]
+    entries = [_entry(reg, n) for n in present[:1]]
+    entries.append(bk.Entry(SDPA_FLASH, reg.get("attention", "sdpa"), context=sdpa_flash_context))
+    entries += [_entry(reg, n) for n in present[1:]]
+    records = bk.bench_kernels(
+        "attention", entries, device=device, dtype=cfg["dtype"], sizes=cfg["seq_lens"],
+        head_dims=cfg["head_dims"], warmup=cfg["warmup"], repeats=cfg["repeats"],
+        min_repeat_s=cfg["min_repeat_s"], deadline=deadline, on_record=_progress,
+    )  # fmt: skip
+    return bk.add_ratios(records, SDPA_FLASH)
+
+
+def _entry(reg: Any, name: str, kind: str = "attention") -> bk.Entry:
+    return bk.Entry(name, reg.get(kind, name))
+
+
+def bench_tokens(reg: Any, device: str, cfg: dict, deadline: float) -> dict[str, list[dict]]:
+    out = {}
+    for kind, name, counterpart in TOKEN_BENCH:
+        names = [n for n in (name, counterpart) if n in reg.names(kind)]
+        if not names:
+            continue
+        records = bk.bench_kernels(
+            kind, [_entry(reg, n, kind) for n in names], device=device, dtype=cfg["dtype"],
+            sizes=cfg["tokens"], d_model=cfg["d_model"], warmup=cfg["warmup"],
+            repeats=cfg["repeats"], min_repeat_s=cfg["min_repeat_s"], deadline=deadline,
+            on_record=_progress,
+        )  # fmt: skip
+        out[kind] = bk.add_ratios(records, counterpart)
+    return out
+
+
+def _progress(r: dict) -> None:
+    size = r.get("seq_len") or r.get("tokens")
+    dim = f" D={r['head_dim']}" if r.get("head_dim") else ""
+    if r["status"] == "ok":
+        rate = f"{r['tflops']:.3g} TFLOP/s" if r.get("tflops") else f"{r['gbps']:.3g} GB/s"
+        what = f"{r['median_s'] * 1e3:.3f} ms, {rate}"
+    else:
+        what = f"{r['status']}: {r['reason']}"
+    print(f"  {r['component']:>15} {r['mode']:<7} {size:>6}{dim}: {what}", flush=True)
+
+
+# -- report -----------------------------------------------------------------------------------
+
+
+def environment(device: str) -> dict[str, Any]:
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except Exception:
+        triton_version = None
+    from llmkit.kernels import runtime
+
+    return {
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "device": bk.device_name(device),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "triton": triton_version,
+        "kernel path": runtime.backend(device),
+    }
+
+
+def checks_markdown(checks: list[Check]) -> str:
+    lines = [
+        "| component | case | quantity | max error | plain bf16 error | tolerance | result |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for c in checks:
+        result = "ok" if c.ok else "**FAIL**"
+        if c.note:
+            result += f" ({c.note})"
+        lines.append(
+            f"| {c.component} | {c.case} | {c.quantity} | {c.error:.3g} | {c.plain_error:.3g} "
+            f"| {c.tolerance:.3g} | {result} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def report(env: dict, checks: list[Check], missing: list[str], benches: dict) -> str:
+    parts = ["# GPU check of the Triton kernels\n"]
+    parts.append("\n".join(f"- {k}: {v}" for k, v in env.items()) + "\n")
+    parts.append(f"## Correctness ({env['dtype']} vs fp32 reference; ≤ 2× plain error)\n")
+    if missing:
+        parts.append("Missing (not registered): " + ", ".join(missing) + "\n")
+    failed = [c for c in checks if not c.ok]
+    parts.append(f"{len(checks) - len(failed)} of {len(checks)} comparisons pass.\n")
+    parts.append(checks_markdown(checks))
+    if "attention" in benches:
+        parts.append(
+            "## Attention speed (causal; B = 16384/N, H = 2048/D)\n\n"
+            f"TFLOP/s: {bk.ATTENTION_FLOPS}. `{SDPA_FLASH}` is the `sdpa` component under "
+            "`sdpa_kernel(SDPBackend.FLASH_ATTENTION)`; the ratio columns are its time over "
+            "each kernel's (> 1 = faster than SDPA-flash).\n"
+        )
+        parts.append(bk.pivot_markdown(benches["attention"], SDPA_FLASH))
+        parts.append("Peak memory and times:\n")
+        parts.append(bk.markdown_table(benches["attention"], SDPA_FLASH))
+    for kind in ("norm", "ffn"):
+        if kind in benches:
+            base = next((c for k, _, c in TOKEN_BENCH if k == kind), None)
+            parts.append(f"## {kind} speed (width {benches[kind][0].get('d_model')})\n")
+            parts.append(bk.pivot_markdown(benches[kind], base))
+            parts.append(bk.markdown_table(benches[kind], base))
+    return "\n".join(parts)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=os.environ.get("OUT") or "gpu-check", help="directory")
+    parser.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes: logic only")
+    parser.add_argument("--dtype", default="bfloat16", help="kernel dtype (default bfloat16)")
+    parser.add_argument("--components", help=f"kind.name list to check (default {CHECKS})")
+    parser.add_argument("--budget", type=float, default=420.0, help="seconds for benchmarks")
+    parser.add_argument("--skip-checks", action="store_true")
+    parser.add_argument("--skip-bench", action="store_true")
+    args = parser.parse_args(argv)
+    threads = torch.get_num_threads()
+    tf32 = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    if args.dry_run:
+        torch.set_num_threads(1)  # tiny shapes: threads only wait on each other
+    try:
+        return run(args)
+    except SetupError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        torch.set_num_threads(threads)
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
+
+
+def run(args: argparse.Namespace) -> int:
+    t0 = time.monotonic()
+    if args.dry_run:
+        device, cfg = "cpu", dict(DRY)
+    else:
+        if not torch.cuda.is_available():
+            raise SetupError(
+                "gpu_check needs a CUDA GPU (torch.cuda.is_available() is False); "
+                "--dry-run runs its logic on the CPU"
+            )
+        if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+            raise SetupError("TRITON_INTERPRET is set: unset it to run the compiled kernels")
+        device, cfg = "cuda", dict(GPU)
+    try:
+        cfg["dtype"] = bk.parse_dtype(args.dtype, device)
+    except ValueError as exc:
+        raise SetupError(str(exc)) from exc
+    from llmkit.registry import get_registry
+
+    reg = get_registry()
+    env = {**environment(device), "dtype": bk.dtype_name(cfg["dtype"])}
+    print("\n".join(f"{k}: {v}" for k, v in env.items()), flush=True)
+    wanted = [c.strip() for c in (args.components or ",".join(CHECKS)).split(",") if c.strip()]
+    checks: list[Check] = []
+    missing: list[str] = []
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    # The fp32 references must be fp32, not TF32 (the kernels' own fp32 paths are not tested).
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    if not args.skip_checks:
+        for key in wanted:
+            kind, _, name = key.partition(".")
+            if kind not in reg.kinds or name not in reg.names(kind):
+                missing.append(key)
+                print(f"check {key}: MISSING (not registered)", flush=True)
+                continue
+            record = reg.get(kind, name)
+            t = time.monotonic()
+            try:
+                if kind == "attention":
+                    got = check_attention(
+                        record, device, cfg["dtype"], cfg["check_lens"], cfg["head_dims"]
+                    )
+                else:
+                    width = cfg["check_width"].get(kind, 256)
+                    got = check_module(record, device, cfg["dtype"], width, cfg["check_tokens"])
+            except Exception as exc:  # a crash is a failed check, and the rest still run
+                got = [Check(name, "-", "run", math.nan, math.nan, 0.0, False, _one_line(exc))]
+            checks += got
+            bad = sum(not c.ok for c in got)
+            status = "ok" if not bad else f"{bad} FAILED"
+            print(f"check {key}: {len(got)} comparisons, {status} ({time.monotonic() - t:.1f} s)")
+    benches: dict[str, list[dict]] = {}
+    # Written now and again at the end: a run killed during the benchmarks keeps its checks.
+    (out / "gpu_check.md").write_text(report(env, checks, missing, benches))
+    if not args.skip_bench:
+        deadline = t0 + args.budget
+        benches["attention"] = bench_attention(reg, device, cfg, deadline)
+        benches.update(bench_tokens(reg, device, cfg, deadline))
+    (out / "gpu_check.md").write_text(report(env, checks, missing, benches))
+    payload = {"environment": env, "checks": [asdict(c) for c in checks], "missing": missing}
+    payload["benchmarks"] = benches
+    (out / "gpu_check.json").write_text(json.dumps(payload, indent=2, default=str) + "\n")
+    for kind, records in benches.items():
+        try:
+            bk.plot(records, out / f"gpu_check_{kind}.png")
+        except Exception as exc:  # matplotlib missing: the tables are what matters
+            print(f"note: no plot for {kind}: {_one_line(exc)}")
+    errors = [r for rs in benches.values() for r in rs if r["status"] == "error"]
+    failed = [c for c in checks if not c.ok]
+    print(f"wrote {out / 'gpu_check.md'} ({time.monotonic() - t0:.0f} s)")
+    if failed or missing or errors:
+        print(
+            f"FAILED: {len(failed)} comparisons, {len(missing)} missing, "
+            f"{len(errors)} benchmark errors"
+        )
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
