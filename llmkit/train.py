@@ -597,8 +597,6 @@ def train(
         if not (rd / SPEC_FILE).is_file():
             raise LlmkitError(f"{rd} is not a run directory (no {SPEC_FILE})")
         rs = load_spec(rd / SPEC_FILE, overrides or [])
-        if overrides:
-            save_spec(rs, rd)
     else:
         if spec_path is None:
             raise LlmkitError("a spec file is required (or --resume RUN_DIR)")
@@ -611,6 +609,8 @@ def train(
     t = rs.spec.train
     dist = distributed.setup(t.parallel, t.device, t.dist_timeout)
     rd = Path(dist.broadcast(str(rd)))  # rank 0's (time-stamped) choice for everyone
+    if resume and overrides and dist.is_main:
+        save_spec(rs, rd)  # the edited recipe is the run's from now on
     trainer = Trainer(
         rs, rd, resume=resume, max_time=max_time, log=log, progress=progress, dist=dist
     )
