@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
+
+import yaml
 
 from llmkit.components import builtin
 from llmkit.registry import Registry
@@ -33,3 +36,40 @@ def registry_with(*plugins: Any) -> Registry:
         dist = getattr(plugin, "distribution", f"fake-{i}")
         reg.add_plugin(plugin, getattr(plugin, "name", f"fake{i}"), dist, "1.0")
     return reg
+
+
+def write_train_spec(tmp_path: Path, corpus: str, *, dropout: float = 0.0, **train: Any) -> Path:
+    """A char-level training spec over ``corpus`` (written beside it) for a tiny model with
+    RoPE; keyword arguments override ``train`` fields."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    text = tmp_path / "corpus.txt"
+    text.write_text(corpus)
+    spec = {
+        "name": "unit",
+        "model": {
+            "vocab_size": 64,
+            "d_model": 32,
+            "n_layers": 2,
+            "n_heads": 2,
+            "max_seq_len": 32,
+            "dropout": dropout,
+            "position": {"name": "rope"},
+        },
+        "tokenizer": {"kind": "char"},
+        "data": {"source": {"name": "text", "paths": [str(text)], "val_fraction": 0.1}},
+        "optimizer": {"name": "adamw", "lr": 3e-3},
+        "schedule": {"name": "cosine", "warmup_steps": 2},
+        "train": {
+            "batch_size": 4,
+            "max_steps": 20,
+            "eval_interval": 10,
+            "eval_batches": 2,
+            "log_interval": 1,
+            "precision": "fp32",
+            "sample_tokens": 0,
+            **train,
+        },
+    }
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path

@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 
 from llmkit import distributed
 from llmkit.errors import LlmkitError
+from tests.helpers import write_train_spec
 
 ROOT = Path(__file__).resolve().parents[1]
 TOL = 1e-4
@@ -29,40 +29,13 @@ WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "w
 
 
 def write_spec(tmp_path: Path, **train) -> Path:
+    """No dropout (ranks draw different dropout masks); 16 steps, evaluation at 8 and 16."""
     import random
 
     rng = random.Random(0)
-    corpus = tmp_path / "corpus.txt"
-    lines = (" ".join(rng.choice(WORDS) for _ in range(12)) for _ in range(3000))
-    corpus.write_text("\n".join(lines))
-    spec = {
-        "name": "dist",
-        "model": {
-            "vocab_size": 64,
-            "d_model": 32,
-            "n_layers": 2,
-            "n_heads": 2,
-            "max_seq_len": 32,
-            "position": {"name": "rope"},
-        },
-        "tokenizer": {"kind": "char"},
-        "data": {"source": {"name": "text", "paths": [str(corpus)], "val_fraction": 0.1}},
-        "optimizer": {"name": "adamw", "lr": 3e-3},
-        "schedule": {"name": "cosine", "warmup_steps": 2},
-        "train": {
-            "batch_size": 4,
-            "max_steps": 16,
-            "eval_interval": 8,
-            "eval_batches": 3,
-            "log_interval": 1,
-            "precision": "fp32",
-            "sample_tokens": 0,
-            **train,
-        },
-    }
-    path = tmp_path / "spec.yaml"
-    path.write_text(yaml.safe_dump(spec))
-    return path
+    corpus = "\n".join(" ".join(rng.choice(WORDS) for _ in range(12)) for _ in range(3000))
+    defaults = {"max_steps": 16, "eval_interval": 8, "eval_batches": 3}
+    return write_train_spec(tmp_path, corpus, **{**defaults, **train})
 
 
 def _env(**extra: str) -> dict[str, str]:

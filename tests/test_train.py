@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 
 from llmkit.checkpoint import Checkpoints
 from llmkit.errors import LlmkitError
 from llmkit.train import train
 from tests.conftest import ROOT
+from tests.helpers import write_train_spec
 
 CORPUS = (
     "First Citizen:\nBefore we proceed any further, hear me speak.\n\n"
@@ -28,38 +28,7 @@ CORPUS = (
 
 
 def write_spec(tmp_path: Path, **train) -> Path:
-    tmp_path.mkdir(parents=True, exist_ok=True)
-    corpus = tmp_path / "corpus.txt"
-    corpus.write_text(CORPUS)
-    spec = {
-        "name": "unit",
-        "model": {
-            "vocab_size": 64,
-            "d_model": 32,
-            "n_layers": 2,
-            "n_heads": 2,
-            "max_seq_len": 32,
-            "dropout": 0.1,
-            "position": {"name": "rope"},
-        },
-        "tokenizer": {"kind": "char"},
-        "data": {"source": {"name": "text", "paths": [str(corpus)], "val_fraction": 0.1}},
-        "optimizer": {"name": "adamw", "lr": 3e-3},
-        "schedule": {"name": "cosine", "warmup_steps": 2},
-        "train": {
-            "batch_size": 4,
-            "max_steps": 20,
-            "eval_interval": 10,
-            "eval_batches": 2,
-            "log_interval": 1,
-            "precision": "fp32",
-            "sample_tokens": 0,
-            **train,
-        },
-    }
-    path = tmp_path / "spec.yaml"
-    path.write_text(yaml.safe_dump(spec))
-    return path
+    return write_train_spec(tmp_path, CORPUS, dropout=0.1, **train)
 
 
 def read_metrics(run: Path) -> list[dict]:
