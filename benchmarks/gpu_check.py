@@ -27,9 +27,14 @@ resolved by name through the registry, so the real components run, Triton paths 
    against their PyTorch counterparts over 4k…64k tokens at width 4096.
 
 Writes ``gpu_check.md`` (the tables), ``gpu_check.json`` (every record) and PNG plots under
-``--out``. Exit status: 0 all good; 1 a check failed, a component is missing or a benchmark
-errored; 2 no CUDA GPU (or ``TRITON_INTERPRET`` set). A time budget (``--budget``, default
-420 s) skips benchmark cases left when it runs out, so the whole run stays well under 8 min.
+``--out``; the first two are rewritten after every check and every benchmark case, so a run
+killed at any point keeps what it measured. Exit status: 0 all good; 1 a check failed, a
+component is missing or a benchmark errored; 2 no CUDA GPU (or ``TRITON_INTERPRET`` set); 3 a
+kernel broke the CUDA context (an illegal memory access makes every later CUDA call fail):
+``gpu_check.sh`` then reruns with ``--resume``, which skips what is done and the component
+that broke (reported), in a fresh process. A time budget (``--budget``, default 420 s from
+the first attempt's start) skips benchmark cases left when it runs out, so the whole run
+stays well under 8 min. Triton compile time is paid in each case's warm-up, not timed.
 
 ``--dry-run`` runs everything on the CPU at tiny shapes, in seconds: it checks this script's
 logic (``tests/test_bench_kernels.py`` runs it) but no Triton kernel, since on a CPU every
@@ -60,6 +65,7 @@ CHECKS = ("attention.flash", "attention.sliding_window", "norm.rmsnorm_triton", 
 ATTENTION_BENCH = ("flash", "sliding_window")
 #: (kind, component, its PyTorch counterpart) timed against each other.
 TOKEN_BENCH = (("norm", "rmsnorm_triton", "rmsnorm"), ("ffn", "swiglu_triton", "swiglu"))
+BASELINE = {kind: counterpart for kind, _, counterpart in TOKEN_BENCH}
 SDPA_FLASH = "sdpa-flash"
 
 GPU = {
@@ -102,6 +108,119 @@ class Check:
     tolerance: float
     ok: bool
     note: str = ""
+
+
+class CudaLost(Exception):
+    """A kernel left the CUDA context unusable (e.g. an illegal memory access): every later
+    CUDA call in this process would fail too."""
+
+
+#: Exit status asking gpu_check.sh to resume in a fresh process (see :class:`State`).
+EXIT_RESUME = 3
+
+
+def cuda_alive(device: str) -> bool:
+    """False when the CUDA context is broken (errors from a faulted kernel are sticky)."""
+    if device != "cuda":
+        return True
+    try:
+        torch.cuda.synchronize()
+        return torch.ones(1, device=device).add_(1).item() == 2.0
+    except Exception:
+        return False
+
+
+class State:
+    """Everything measured so far, rewritten to ``gpu_check.json`` / ``gpu_check.md`` after
+    every check and every benchmark case, so a run killed at any point keeps its results.
+
+    Resuming (``--resume``, what gpu_check.sh does after exit status 3 or a crash) reloads
+    that file, skips the units already done and marks the component whose unit was running
+    when the process died as broken: its remaining checks and cases are skipped with the
+    reason, the other components still run.
+    """
+
+    def __init__(self, out: Path, env: dict[str, Any], device: str, resume: bool = False) -> None:
+        self.out = out
+        self.env = env
+        self.device = device
+        self.checks: list[Check] = []
+        self.missing: list[str] = []
+        self.benches: dict[str, list[dict]] = {}
+        self.done: set[str] = set()
+        self.broken: dict[str, str] = {}  # component name → why it is skipped from now on
+        self.running: dict[str, Any] | None = None
+        self.started = time.time()
+        self.attempts = 1
+        path = out / "gpu_check.json"
+        if resume and path.exists():
+            data = json.loads(path.read_text())
+            st = data.get("state", {})
+            self.checks = [Check(**c) for c in data.get("checks", [])]
+            self.missing = list(data.get("missing", []))
+            self.benches = dict(data.get("benchmarks", {}))
+            self.done = set(st.get("done", []))
+            self.broken = dict(st.get("broken", {}))
+            self.started = float(st.get("started", self.started))
+            self.attempts = int(st.get("attempts", 0)) + 1
+            died = st.get("running")
+            if died:  # the previous process died inside this unit (crash, kill)
+                self.finish(died, lost=True, reason="the process died while running it")
+
+    def begin(self, unit: dict[str, Any]) -> None:
+        self.running = unit
+        self.save()
+
+    def stub_record(self, unit: dict[str, Any], status: str, reason: str) -> dict[str, Any]:
+        """A benchmark record for a case that did not run (what the tables need)."""
+        rec = {"kind": unit["kind"], "device": self.device, "device_name": self.env.get("device"),
+               "dtype": self.env.get("dtype"), "component": unit["label"], "name": unit["name"],
+               "mode": unit["mode"], "status": status, "reason": reason, "median_s": None,
+               "tflops": None, "gbps": None, "peak_memory_bytes": None}  # fmt: skip
+        if unit["kind"] == "attention":
+            rec.update(seq_len=unit["size"], head_dim=unit["head_dim"], causal=True)
+        else:
+            rec.update(tokens=unit["size"], head_dim=None)
+        return rec
+
+    def finish(
+        self,
+        unit: dict[str, Any],
+        *,
+        checks: list[Check] | None = None,
+        bench: dict[str, Any] | None = None,
+        lost: bool = False,
+        reason: str | None = None,
+    ) -> None:
+        """Record a unit's results; ``lost``: it broke the CUDA context (or the process)."""
+        if lost:
+            why = reason or "CUDA context lost"
+            what = unit["key"].split(":", 1)[1]
+            self.broken.setdefault(unit["name"], f"{why} in {what}")
+            if unit["what"] == "check" and not checks:
+                checks = [Check(unit["name"], "-", "run", math.nan, math.nan, 0.0, False, why)]
+            if unit["what"] == "bench" and bench is None:
+                bench = self.stub_record(unit, "error", why)
+        self.checks += checks or []
+        if bench is not None:
+            self.benches.setdefault(unit["kind"], []).append(bench)
+        self.done.add(unit["key"])
+        self.running = None
+        self.save()
+
+    def save(self) -> None:
+        for kind, records in self.benches.items():
+            bk.add_ratios(records, SDPA_FLASH if kind == "attention" else BASELINE[kind])
+        (self.out / "gpu_check.md").write_text(
+            report(self.env, self.checks, self.missing, self.benches, self.broken)
+        )
+        state = {"done": sorted(self.done), "broken": self.broken, "running": self.running,
+                 "started": self.started, "attempts": self.attempts}  # fmt: skip
+        payload = {"environment": self.env, "checks": [asdict(c) for c in self.checks],
+                   "missing": self.missing, "benchmarks": self.benches, "state": state}  # fmt: skip
+        tmp = self.out / "gpu_check.json.tmp"
+        tmp.write_text(json.dumps(payload, indent=2, default=str) + "\n")
+        tmp.replace(self.out / "gpu_check.json")
 
 
 def _one_line(exc: BaseException) -> str:
@@ -248,37 +367,68 @@ def sdpa_flash_context() -> Any:
     return sdpa_kernel(SDPBackend.FLASH_ATTENTION)
 
 
-def bench_attention(reg: Any, device: str, cfg: dict, deadline: float) -> list[dict]:
+def attention_entries(reg: Any) -> list[bk.Entry]:
+    """flash, SDPA forced to its flash backend, sliding_window (those registered)."""
     present = [n for n in ATTENTION_BENCH if n in reg.names("attention")]
     entries = [_entry(reg, n) for n in present[:1]]
     entries.append(bk.Entry(SDPA_FLASH, reg.get("attention", "sdpa"), context=sdpa_flash_context))
-    entries += [_entry(reg, n) for n in present[1:]]
-    records = bk.bench_kernels(
-        "attention", entries, device=device, dtype=cfg["dtype"], sizes=cfg["seq_lens"],
-        head_dims=cfg["head_dims"], warmup=cfg["warmup"], repeats=cfg["repeats"],
-        min_repeat_s=cfg["min_repeat_s"], deadline=deadline, on_record=_progress,
-    )  # fmt: skip
-    return bk.add_ratios(records, SDPA_FLASH)
+    return entries + [_entry(reg, n) for n in present[1:]]
 
 
 def _entry(reg: Any, name: str, kind: str = "attention") -> bk.Entry:
     return bk.Entry(name, reg.get(kind, name))
 
 
-def bench_tokens(reg: Any, device: str, cfg: dict, deadline: float) -> dict[str, list[dict]]:
-    out = {}
+def bench_plan(reg: Any, cfg: dict) -> list[tuple[str, list[bk.Entry], dict]]:
+    """(kind, entries, sweep) in the order they run: attention first (the main table)."""
+    sweep = {"sizes": cfg["seq_lens"], "head_dims": cfg["head_dims"]}
+    plan = [("attention", attention_entries(reg), sweep)]
     for kind, name, counterpart in TOKEN_BENCH:
         names = [n for n in (name, counterpart) if n in reg.names(kind)]
-        if not names:
-            continue
-        records = bk.bench_kernels(
-            kind, [_entry(reg, n, kind) for n in names], device=device, dtype=cfg["dtype"],
-            sizes=cfg["tokens"], d_model=cfg["d_model"], warmup=cfg["warmup"],
-            repeats=cfg["repeats"], min_repeat_s=cfg["min_repeat_s"], deadline=deadline,
-            on_record=_progress,
-        )  # fmt: skip
-        out[kind] = bk.add_ratios(records, counterpart)
-    return out
+        if names:
+            entries = [_entry(reg, n, kind) for n in names]
+            plan.append((kind, entries, {"sizes": cfg["tokens"], "head_dims": (None,)}))
+    return plan
+
+
+def _bench_key(kind: str, label: str, mode: str, head_dim: int | None, size: int) -> str:
+    return f"bench:{kind}:{label}:{mode}:{head_dim}:{size}"
+
+
+def run_benchmarks(state: State, reg: Any, device: str, cfg: dict, deadline: float) -> None:
+    """One case at a time (all entries of a case together, so a budget cut leaves whole
+    comparisons), each record saved as it lands. A case whose call kills the CUDA context
+    raises CudaLost (the wrapper resumes in a fresh process; that component is then skipped)."""
+    for kind, entries, sweep in bench_plan(reg, cfg):
+        for mode in bk.MODES:
+            for hd in sweep["head_dims"]:
+                for size in sweep["sizes"]:
+                    for entry in entries:
+                        key = _bench_key(kind, entry.label, mode, hd, size)
+                        if key in state.done:
+                            continue
+                        unit = {"key": key, "what": "bench", "kind": kind, "label": entry.label,
+                                "name": entry.record.name, "mode": mode, "head_dim": hd,
+                                "size": size}  # fmt: skip
+                        broken = state.broken.get(entry.record.name)
+                        if broken is not None:
+                            rec = state.stub_record(unit, "skipped", f"not run: {broken}")
+                            state.finish(unit, bench=rec)
+                            _progress(rec)
+                            continue
+                        state.begin(unit)
+                        extra = {"d_model": cfg["d_model"]} if kind != "attention" else {}
+                        rec = bk.bench_kernels(
+                            kind, [entry], device=device, dtype=cfg["dtype"], sizes=[size],
+                            head_dims=[hd], modes=[mode], warmup=cfg["warmup"],
+                            repeats=cfg["repeats"], min_repeat_s=cfg["min_repeat_s"],
+                            deadline=deadline, **extra,
+                        )[0]  # fmt: skip
+                        _progress(rec)
+                        lost = rec["status"] == "error" and not cuda_alive(device)
+                        state.finish(unit, bench=rec, lost=lost)
+                        if lost:
+                            raise CudaLost(f"{entry.label} {mode} N={size} D={hd}: {rec['reason']}")
 
 
 def _progress(r: dict) -> None:
@@ -330,29 +480,42 @@ def checks_markdown(checks: list[Check]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def report(env: dict, checks: list[Check], missing: list[str], benches: dict) -> str:
+def report(
+    env: dict,
+    checks: list[Check],
+    missing: list[str],
+    benches: dict,
+    broken: dict[str, str] | None = None,
+) -> str:
     parts = ["# GPU check of the Triton kernels\n"]
     parts.append("\n".join(f"- {k}: {v}" for k, v in env.items()) + "\n")
+    if broken:
+        parts.append(
+            "**Broke the CUDA context or the process** (their remaining checks and cases "
+            "were skipped):\n\n" + "\n".join(f"- {k}: {v}" for k, v in broken.items()) + "\n"
+        )
     parts.append(f"## Correctness ({env['dtype']} vs fp32 reference; ≤ 2× plain error)\n")
     if missing:
         parts.append("Missing (not registered): " + ", ".join(missing) + "\n")
     failed = [c for c in checks if not c.ok]
     parts.append(f"{len(checks) - len(failed)} of {len(checks)} comparisons pass.\n")
     parts.append(checks_markdown(checks))
-    if "attention" in benches:
+    if benches.get("attention"):
         parts.append(
             "## Attention speed (causal; B = 16384/N, H = 2048/D)\n\n"
             f"TFLOP/s: {bk.ATTENTION_FLOPS}. `{SDPA_FLASH}` is the `sdpa` component under "
             "`sdpa_kernel(SDPBackend.FLASH_ATTENTION)`; the ratio columns are its time over "
-            "each kernel's (> 1 = faster than SDPA-flash).\n"
+            "each kernel's (> 1 = faster than SDPA-flash). Triton compile time is excluded "
+            "(warm-up calls).\n"
         )
         parts.append(bk.pivot_markdown(benches["attention"], SDPA_FLASH))
         parts.append("Peak memory and times:\n")
         parts.append(bk.markdown_table(benches["attention"], SDPA_FLASH))
     for kind in ("norm", "ffn"):
-        if kind in benches:
-            base = next((c for k, _, c in TOKEN_BENCH if k == kind), None)
-            parts.append(f"## {kind} speed (width {benches[kind][0].get('d_model')})\n")
+        if benches.get(kind):
+            base = BASELINE.get(kind)
+            width = next((r.get("d_model") for r in benches[kind] if r.get("d_model")), "?")
+            parts.append(f"## {kind} speed (width {width})\n")
             parts.append(bk.pivot_markdown(benches[kind], base))
             parts.append(bk.markdown_table(benches[kind], base))
     return "\n".join(parts)
@@ -367,6 +530,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget", type=float, default=420.0, help="seconds for benchmarks")
     parser.add_argument("--skip-checks", action="store_true")
     parser.add_argument("--skip-bench", action="store_true")
+    parser.add_argument(
+        "--resume", action="store_true", help="continue the run recorded in OUT/gpu_check.json"
+    )
     args = parser.parse_args(argv)
     threads = torch.get_num_threads()
     tf32 = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
@@ -405,62 +571,74 @@ def run(args: argparse.Namespace) -> int:
     env = {**environment(device), "dtype": bk.dtype_name(cfg["dtype"])}
     print("\n".join(f"{k}: {v}" for k, v in env.items()), flush=True)
     wanted = [c.strip() for c in (args.components or ",".join(CHECKS)).split(",") if c.strip()]
-    checks: list[Check] = []
-    missing: list[str] = []
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    state = State(out, env, device, resume=args.resume)
+    if state.attempts > 1:
+        print(f"resuming (attempt {state.attempts}); broken: {state.broken or 'none'}")
+    state.save()
     # The fp32 references must be fp32, not TF32 (the kernels' own fp32 paths are not tested).
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    if not args.skip_checks:
-        for key in wanted:
-            kind, _, name = key.partition(".")
-            if kind not in reg.kinds or name not in reg.names(kind):
-                missing.append(key)
-                print(f"check {key}: MISSING (not registered)", flush=True)
-                continue
-            record = reg.get(kind, name)
-            t = time.monotonic()
-            try:
-                if kind == "attention":
-                    got = check_attention(
-                        record, device, cfg["dtype"], cfg["check_lens"], cfg["head_dims"]
-                    )
-                else:
-                    width = cfg["check_width"].get(kind, 256)
-                    got = check_module(record, device, cfg["dtype"], width, cfg["check_tokens"])
-            except Exception as exc:  # a crash is a failed check, and the rest still run
-                got = [Check(name, "-", "run", math.nan, math.nan, 0.0, False, _one_line(exc))]
-            checks += got
-            bad = sum(not c.ok for c in got)
-            status = "ok" if not bad else f"{bad} FAILED"
-            print(f"check {key}: {len(got)} comparisons, {status} ({time.monotonic() - t:.1f} s)")
-    benches: dict[str, list[dict]] = {}
-    # Written now and again at the end: a run killed during the benchmarks keeps its checks.
-    (out / "gpu_check.md").write_text(report(env, checks, missing, benches))
-    if not args.skip_bench:
-        deadline = t0 + args.budget
-        benches["attention"] = bench_attention(reg, device, cfg, deadline)
-        benches.update(bench_tokens(reg, device, cfg, deadline))
-    (out / "gpu_check.md").write_text(report(env, checks, missing, benches))
-    payload = {"environment": env, "checks": [asdict(c) for c in checks], "missing": missing}
-    payload["benchmarks"] = benches
-    (out / "gpu_check.json").write_text(json.dumps(payload, indent=2, default=str) + "\n")
-    for kind, records in benches.items():
+    try:
+        if not args.skip_checks:
+            run_checks(state, reg, wanted, device, cfg)
+        if not args.skip_bench:
+            # The budget counts from the first attempt's start (a resumed run has less left).
+            spent = max(0.0, time.time() - state.started - (time.monotonic() - t0))
+            run_benchmarks(state, reg, device, cfg, deadline=t0 + args.budget - spent)
+    except CudaLost as exc:
+        print(f"CUDA context lost ({exc}); exit {EXIT_RESUME}: resume in a fresh process")
+        return EXIT_RESUME
+    for kind, records in state.benches.items():
         try:
             bk.plot(records, out / f"gpu_check_{kind}.png")
         except Exception as exc:  # matplotlib missing: the tables are what matters
             print(f"note: no plot for {kind}: {_one_line(exc)}")
+    benches, checks = state.benches, state.checks
     errors = [r for rs in benches.values() for r in rs if r["status"] == "error"]
     failed = [c for c in checks if not c.ok]
     print(f"wrote {out / 'gpu_check.md'} ({time.monotonic() - t0:.0f} s)")
-    if failed or missing or errors:
+    if failed or state.missing or errors:
         print(
-            f"FAILED: {len(failed)} comparisons, {len(missing)} missing, "
+            f"FAILED: {len(failed)} comparisons, {len(state.missing)} missing, "
             f"{len(errors)} benchmark errors"
         )
         return 1
     return 0
+
+
+def run_checks(state: State, reg: Any, wanted: list[str], device: str, cfg: dict) -> None:
+    for key in wanted:
+        kind, _, name = key.partition(".")
+        unit = {"key": f"check:{key}", "what": "check", "kind": kind, "name": name}
+        if unit["key"] in state.done:
+            continue
+        if kind not in reg.kinds or name not in reg.names(kind):
+            state.missing.append(key)
+            print(f"check {key}: MISSING (not registered)", flush=True)
+            state.finish(unit)
+            continue
+        record = reg.get(kind, name)
+        t = time.monotonic()
+        state.begin(unit)
+        try:
+            if kind == "attention":
+                got = check_attention(
+                    record, device, cfg["dtype"], cfg["check_lens"], cfg["head_dims"]
+                )
+            else:
+                width = cfg["check_width"].get(kind, 256)
+                got = check_module(record, device, cfg["dtype"], width, cfg["check_tokens"])
+        except Exception as exc:  # a crash is a failed check, and the rest still run
+            got = [Check(name, "-", "run", math.nan, math.nan, 0.0, False, _one_line(exc))]
+        lost = not cuda_alive(device)
+        state.finish(unit, checks=got, lost=lost)
+        bad = sum(not c.ok for c in got)
+        status = "ok" if not bad else f"{bad} FAILED"
+        print(f"check {key}: {len(got)} comparisons, {status} ({time.monotonic() - t:.1f} s)")
+        if lost:
+            raise CudaLost(f"check {key}: {got[-1].note}")
 
 
 if __name__ == "__main__":

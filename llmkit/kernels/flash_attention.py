@@ -72,6 +72,8 @@ __all__ = [
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 #: Largest head dim the kernels take (the (BLOCK, D) tiles must fit in shared memory).
 MAX_HEAD_DIM = 256
+#: CUDA's largest grid size along y and z (the kernels' grids are (blocks, heads, batch)).
+_MAX_GRID_YZ = 65535
 
 
 # --------------------------------------------------------------------------- kernels
@@ -118,10 +120,12 @@ def _fwd_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
+    # Grid (query blocks, heads, batch): the y and z grid sizes are capped at 65535 each,
+    # so B·H may exceed 65535 (a flattened y axis would fail to launch there).
     start_m = tl.program_id(0)
-    off_bh = tl.program_id(1)
-    off_b = off_bh // H
-    off_h = off_bh % H
+    off_h = tl.program_id(1)
+    off_b = tl.program_id(2)
+    off_bh = off_b * H + off_h
     off_kvh = off_h // GROUPS
 
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -207,9 +211,9 @@ def _bwd_preprocess_kernel(
     BLOCK_D: tl.constexpr,
 ):
     start_m = tl.program_id(0)
-    off_bh = tl.program_id(1)
-    off_b = off_bh // H
-    off_h = off_bh % H
+    off_h = tl.program_id(1)
+    off_b = tl.program_id(2)
+    off_bh = off_b * H + off_h
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     m_valid = offs_m < TQ
@@ -260,7 +264,6 @@ def _bwd_dkdv_kernel(
     stride_dvd,
     stride_kpm,
     H,
-    HKV,
     TQ,
     TK,
     sm_scale,
@@ -277,9 +280,8 @@ def _bwd_dkdv_kernel(
     # One program per (key block, batch·kv head); works in the transposed (keys × queries)
     # orientation so that dV += Pᵀ dO and dK += dSᵀ Q need no further transposes.
     start_n = tl.program_id(0) * BLOCK_N
-    off_bkv = tl.program_id(1)
-    off_b = off_bkv // HKV
-    off_kvh = off_bkv % HKV
+    off_kvh = tl.program_id(1)
+    off_b = tl.program_id(2)
 
     offs_m = tl.arange(0, BLOCK_M)
     cols = start_n + tl.arange(0, BLOCK_N)
@@ -403,9 +405,9 @@ def _bwd_dq_kernel(
     BLOCK_D: tl.constexpr,
 ):
     start_m = tl.program_id(0)
-    off_bh = tl.program_id(1)
-    off_b = off_bh // H
-    off_h = off_bh % H
+    off_h = tl.program_id(1)
+    off_b = tl.program_id(2)
+    off_bh = off_b * H + off_h
     off_kvh = off_h // GROUPS
 
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -481,12 +483,22 @@ class BlockConfig(NamedTuple):
     num_stages: int = 2
 
 
-#: GPU tiles by bytes per head row (head_dim × element size): fwd, dkdv, dq.
-_GPU_CONFIGS = (
-    (128, BlockConfig(128, 64, 4, 3), BlockConfig(32, 128, 4, 3), BlockConfig(128, 32, 4, 3)),
-    (256, BlockConfig(128, 64, 8, 3), BlockConfig(32, 128, 8, 2), BlockConfig(128, 32, 8, 2)),
-    (512, BlockConfig(64, 32, 8, 2), BlockConfig(16, 64, 4, 2), BlockConfig(64, 16, 4, 2)),
-    (1024, BlockConfig(32, 32, 4, 1), BlockConfig(16, 32, 4, 1), BlockConfig(32, 16, 4, 1)),
+#: GPU tiles (fwd, dkdv, dq) by padded head dim, for fp16/bf16 and for fp32. Compiled ahead
+#: of time for sm_80, sm_86 and sm_90 with triton 3.6 and 3.9 (benchmarks/aot_compile_check.py,
+#: no GPU needed): shared memory ≤ 96 KiB on sm_80/86 (sm_86/89 allow 99 KiB per block) and
+#: ≤ 128 KiB on sm_90 (227), register spills at most a few hundred bytes. fp32 tiles are
+#: small: IEEE fp32 dots run on FMA units, whose operand layouts keep whole head-dim rows in
+#: registers (the 16-bit tiles spilled up to ~11 KB per thread in fp32).
+_GPU_CONFIGS_16BIT = (
+    (64, BlockConfig(128, 64, 4, 3), BlockConfig(32, 128, 4, 3), BlockConfig(128, 32, 4, 3)),
+    (128, BlockConfig(128, 64, 8, 3), BlockConfig(32, 128, 8, 2), BlockConfig(128, 32, 8, 2)),
+    (256, BlockConfig(64, 32, 8, 2), BlockConfig(16, 64, 8, 2), BlockConfig(64, 16, 8, 2)),
+)
+_GPU_CONFIGS_FP32 = (
+    (32, BlockConfig(64, 32, 4, 2), BlockConfig(16, 64, 4, 2), BlockConfig(64, 16, 4, 2)),
+    (64, BlockConfig(32, 32, 4, 2), BlockConfig(16, 32, 4, 2), BlockConfig(32, 16, 4, 2)),
+    (128, BlockConfig(16, 32, 4, 2), BlockConfig(16, 32, 8, 1), BlockConfig(32, 16, 4, 2)),
+    (256, BlockConfig(16, 16, 4, 1), BlockConfig(16, 16, 4, 1), BlockConfig(16, 16, 4, 1)),
 )
 _KERNELS = ("fwd", "dkdv", "dq")
 
@@ -496,20 +508,22 @@ def block_config(kernel: str, head_dim: int, dtype: torch.dtype) -> BlockConfig:
 
     Under the interpreter: 16×16 tiles (each program step is a NumPy call; small tiles keep
     multi-block paths exercised on the tiny shapes tests can afford). On a GPU: the usual
-    FlashAttention-2 shapes (forward 128 queries × 64 keys; dK/dV with a resident block of
-    128 keys streaming 32 queries; dQ the transpose), shrunk as head rows grow so the tiles
-    fit shared memory and registers. Fixed heuristics, not autotuning: one compile per shape
-    class and a deterministic choice (untuned on hardware so far).
+    FlashAttention-2 shapes for fp16/bf16 (forward 128 queries × 64 keys; dK/dV with a
+    resident block of 128 keys streaming 32 queries; dQ the transpose), shrunk as the head
+    dim grows so the tiles fit shared memory and registers; much smaller tiles for fp32.
+    Fixed heuristics, not autotuning: one compile per shape class and a deterministic choice
+    (compile-checked, untuned on hardware so far).
     """
     if kernel not in _KERNELS:
         raise ValueError(f"unknown kernel {kernel!r}; expected one of {_KERNELS}")
     if runtime.interpreting():
         return BlockConfig(16, 16, 1, 1)
-    row_bytes = _block_d(head_dim) * torch.empty((), dtype=dtype).element_size()
-    for limit, *configs in _GPU_CONFIGS:
-        if row_bytes <= limit:
+    table = _GPU_CONFIGS_FP32 if dtype == torch.float32 else _GPU_CONFIGS_16BIT
+    block_d = _block_d(head_dim)
+    for limit, *configs in table:
+        if block_d <= limit:
             return configs[_KERNELS.index(kernel)]
-    return _GPU_CONFIGS[-1][1 + _KERNELS.index(kernel)]
+    return table[-1][1 + _KERNELS.index(kernel)]
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -531,12 +545,14 @@ def _config(kernel: str, head_dim: int, dtype: torch.dtype, blocks) -> BlockConf
 
 def kernel_supports(q: Tensor, k: Tensor, v: Tensor) -> bool:
     """True when the Triton kernels take these inputs: one supported dtype, one device, head
-    dim ≤ 256, and not bf16 in the CPU interpreter (its bf16 arithmetic is wrong in triton 3.9).
+    dim ≤ 256, batch and heads ≤ 65535 (CUDA's limit on the grid's y and z sizes), and not
+    bf16 in the CPU interpreter (its bf16 arithmetic is wrong in triton 3.9).
     """
     return (
         q.dtype in SUPPORTED_DTYPES
         and q.dtype == k.dtype == v.dtype
         and q.shape[-1] <= MAX_HEAD_DIM
+        and max(q.shape[0], q.shape[1]) <= _MAX_GRID_YZ
         and q.device == k.device == v.device
         and runtime.dtype_runs(q)
     )
@@ -568,7 +584,7 @@ class FlashAttentionFunction(torch.autograd.Function):
         lse = torch.empty((b, hq, tq), device=q.device, dtype=torch.float32)
         dummy = lse  # any tensor: pointers behind a False HAS_* flag are never read
         cfg = _config("fwd", d, q.dtype, blocks)
-        grid = (triton.cdiv(tq, cfg.block_m), b * hq)
+        grid = (triton.cdiv(tq, cfg.block_m), hq, b)
         runtime.kernel(_fwd_kernel)[grid](
             q,
             k,
@@ -627,7 +643,7 @@ class FlashAttentionFunction(torch.autograd.Function):
 
         delta = torch.empty_like(lse)
         pre_m = 16 if runtime.interpreting() else 64
-        runtime.kernel(_bwd_preprocess_kernel)[(triton.cdiv(tq, pre_m), b * hq)](
+        runtime.kernel(_bwd_preprocess_kernel)[(triton.cdiv(tq, pre_m), hq, b)](
             o,
             do,
             delta,
@@ -645,7 +661,7 @@ class FlashAttentionFunction(torch.autograd.Function):
             dk = torch.empty_like(k, memory_format=torch.contiguous_format)
             dv = torch.empty_like(v, memory_format=torch.contiguous_format)
             cfg = _config("dkdv", d, q.dtype, ctx.blocks)
-            runtime.kernel(_bwd_dkdv_kernel)[(triton.cdiv(tk, cfg.block_n), b * hkv)](
+            runtime.kernel(_bwd_dkdv_kernel)[(triton.cdiv(tk, cfg.block_n), hkv, b)](
                 q,
                 k,
                 v,
@@ -664,7 +680,6 @@ class FlashAttentionFunction(torch.autograd.Function):
                 *dv.stride(),
                 kpm_stride,
                 hq,
-                hkv,
                 tq,
                 tk,
                 sm_scale,
@@ -677,7 +692,7 @@ class FlashAttentionFunction(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             dq = torch.empty_like(q, memory_format=torch.contiguous_format)
             cfg = _config("dq", d, q.dtype, ctx.blocks)
-            runtime.kernel(_bwd_dq_kernel)[(triton.cdiv(tq, cfg.block_m), b * hq)](
+            runtime.kernel(_bwd_dq_kernel)[(triton.cdiv(tq, cfg.block_m), hq, b)](
                 q,
                 k,
                 v,
@@ -731,8 +746,8 @@ def flash_attention(
     if not kernel_supports(q, k, v):
         raise ValueError(
             f"flash_attention takes {[str(t) for t in SUPPORTED_DTYPES]} q/k/v of one dtype "
-            f"on one device with head dim ≤ {MAX_HEAD_DIM}; got {q.dtype}/{k.dtype}/{v.dtype}, "
-            f"head dim {q.shape[-1]}"
+            f"on one device with head dim ≤ {MAX_HEAD_DIM} and batch, heads ≤ {_MAX_GRID_YZ}; "
+            f"got {q.dtype}/{k.dtype}/{v.dtype}, shape {tuple(q.shape)}"
         )
     if q.shape[2] == 0:
         return q.new_zeros(q.shape)
