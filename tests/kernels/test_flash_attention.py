@@ -41,11 +41,11 @@ from llmkit.components.attention.sdpa import sdpa_attention
 from llmkit.components.base import BuildContext, DistanceBias, NoOptions
 from llmkit.components.position.alibi import alibi_slopes
 from llmkit.kernels import runtime
+from tests.kernels.budget import CUDA, assert_within_budget
 
 fa = pytest.importorskip("llmkit.kernels.flash_attention", reason="needs triton")
 
 FLOOR = {torch.float32: 5e-6, torch.float16: 5e-4, torch.bfloat16: 4e-3}
-CUDA = torch.cuda.is_available()
 
 
 @pytest.fixture(autouse=True)
@@ -132,12 +132,7 @@ def check_against_reference(q, k, v, *, causal=True, slopes=None, pad=None, bloc
     kw = {"causal": causal, "slopes": slopes, "pad": pad}
     ref = _grads(math_attention, q, k, v, dout.double(), dtype=torch.float64, **kw)
     pt = _grads(math_attention, q, k, v, dout, dtype=dtype, **kw)
-    for name, a, r, p in zip(("out", "dq", "dk", "dv"), got, ref, pt, strict=True):
-        assert a.dtype == dtype and a.shape == r.shape, name
-        assert torch.isfinite(a).all(), f"{name} has non-finite values"
-        err = (a.double() - r).abs().max().item()
-        budget = 2 * (p.double() - r).abs().max().item() + FLOOR[dtype]
-        assert err <= budget, f"{name}: error {err:.2e} > budget {budget:.2e}"
+    assert_within_budget(("out", "dq", "dk", "dv"), got, pt, ref, FLOOR[dtype])
     return got
 
 

@@ -24,18 +24,11 @@ from llmkit.components.base import BuildContext
 from llmkit.components.norm.rmsnorm import RMSNorm
 from llmkit.components.norm.rmsnorm_triton import RMSNormTriton
 from llmkit.kernels import runtime
+from tests.kernels.budget import BF16, CUDA, DEVICE, assert_within_budget
 
 rn = pytest.importorskip("llmkit.kernels.rmsnorm", reason="needs triton")
 
-CUDA = torch.cuda.is_available()
-DEVICE = "cuda" if CUDA else "cpu"
 FLOOR = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
-BF16 = pytest.param(
-    torch.bfloat16,
-    marks=pytest.mark.skipif(
-        not CUDA, reason="the Triton interpreter's bf16 arithmetic is wrong (triton 3.9)"
-    ),
-)
 EPS = 1e-6
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -82,11 +75,7 @@ def test_kernel_matches_reference(shape, dtype):
     got = grads(lambda x, w: rn.rms_norm_triton(x, w, EPS), x, w, dy, dtype)
     pt = grads(plain, x, w, dy, dtype)
     ref = grads(lambda x, w: F.rms_norm(x, (x.shape[-1],), w, EPS), x, w, dy, torch.float64)
-    for name, a, p, r in zip(("y", "dx", "dw"), got, pt, ref, strict=True):
-        assert a.dtype == dtype and a.shape == r.shape, name
-        err = (a.double() - r).abs().max().item()
-        budget = 2 * (p.double() - r).abs().max().item() + FLOOR[dtype]
-        assert err <= budget, f"{name}: kernel error {err:.2e} > budget {budget:.2e}"
+    assert_within_budget(("y", "dx", "dw"), got, pt, ref, FLOOR[dtype])
 
 
 @pytest.mark.usefixtures("interpret")

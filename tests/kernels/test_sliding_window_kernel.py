@@ -29,13 +29,11 @@ from llmkit.components.attention.sliding_window import (
 from llmkit.components.base import BuildContext, DistanceBias
 from llmkit.components.position.alibi import alibi_slopes
 from llmkit.kernels import runtime
+from tests.kernels.budget import BF16_REASON, CUDA, DEVICE, assert_within_budget
 
 sw = pytest.importorskip("llmkit.kernels.sliding_window", reason="needs triton")
 
-CUDA = torch.cuda.is_available()
-DEVICE = "cuda" if CUDA else "cpu"
 FLOOR = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
-BF16_SKIP = "the Triton interpreter's bf16 arithmetic is wrong (triton 3.9)"
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -79,13 +77,8 @@ def forward_backward(fn, q, k, v, grad, dtype):
     return [out.detach(), *grads]
 
 
-def assert_within_budget(got, pt, ref, dtype):
-    for name, a, b, r in zip(("out", "dq", "dk", "dv"), got, pt, ref, strict=True):
-        assert a.dtype == b.dtype and a.shape == r.shape, name
-        assert torch.isfinite(a).all(), name
-        err = (a.double() - r).abs().max().item()
-        budget = 2 * (b.double() - r).abs().max().item() + FLOOR[dtype]
-        assert err <= budget, f"{name}: kernel error {err:.2e} > budget {budget:.2e}"
+def assert_grads_within_budget(got, pt, ref, dtype):
+    assert_within_budget(("out", "dq", "dk", "dv"), got, pt, ref, FLOOR[dtype])
 
 
 def test_in_interpreter_subprocess(rerun_in_interpreter):
@@ -110,7 +103,7 @@ LOW_PRECISION_CASES = ["ragged-batch2-gqa2", "gqa4-alibi", "decode-tq1", "left-p
 
 def _param(case: str, dtype: torch.dtype):
     skip = dtype == torch.bfloat16 and not CUDA
-    marks = [pytest.mark.skip(reason=BF16_SKIP)] if skip else []
+    marks = [pytest.mark.skip(reason=BF16_REASON)] if skip else []
     return pytest.param(case, dtype, marks=marks, id=f"{case}-{str(dtype).removeprefix('torch.')}")
 
 
@@ -142,7 +135,7 @@ def test_kernel_matches_reference(case, dtype):
     ins = [t.double().requires_grad_(True) for t in (q, k, v)]
     ref_out = textbook(*ins, window, slopes=slopes, pad=pad)
     ref = [ref_out.detach(), *torch.autograd.grad(ref_out, ins, grad.double())]
-    assert_within_budget(got, pt, [r.to(DEVICE) for r in ref], dtype)
+    assert_grads_within_budget(got, pt, [r.to(DEVICE) for r in ref], dtype)
     if pad_keys:  # queries whose whole window is padding return zeros
         empty = got[0][-1, :, : pad_keys - (tk - tq)]  # their newest key is padding
         assert empty.numel() and torch.equal(empty, torch.zeros_like(empty))

@@ -22,18 +22,11 @@ from llmkit.components.base import BuildContext
 from llmkit.components.ffn.swiglu import SwiGLU
 from llmkit.components.ffn.swiglu_triton import SwiGLUTriton
 from llmkit.kernels import runtime
+from tests.kernels.budget import BF16, CUDA, DEVICE, assert_within_budget
 
 sg = pytest.importorskip("llmkit.kernels.swiglu", reason="needs triton")
 
-CUDA = torch.cuda.is_available()
-DEVICE = "cuda" if CUDA else "cpu"
 FLOOR = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
-BF16 = pytest.param(
-    torch.bfloat16,
-    marks=pytest.mark.skipif(
-        not CUDA, reason="the Triton interpreter's bf16 arithmetic is wrong (triton 3.9)"
-    ),
-)
 CTX = BuildContext(d_model=16, n_heads=2, n_kv_heads=2, head_dim=8, max_seq_len=8, n_layers=1)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -67,12 +60,7 @@ def test_kernel_matches_reference(shape, dtype):
     got = grads(sg.swiglu_triton, g, u, dh, dtype)
     pt = grads(plain, g, u, dh, dtype)
     ref = grads(lambda g, u: F.silu(g) * u, g, u, dh, torch.float64)
-    for name, a, p, r in zip(("h", "dg", "du"), got, pt, ref, strict=True):
-        assert a.dtype == dtype and a.shape == r.shape, name
-        assert torch.isfinite(a).all(), name
-        err = (a.double() - r).abs().max().item()
-        budget = 2 * (p.double() - r).abs().max().item() + FLOOR[dtype]
-        assert err <= budget, f"{name}: kernel error {err:.2e} > budget {budget:.2e}"
+    assert_within_budget(("h", "dg", "du"), got, pt, ref, FLOOR[dtype])
 
 
 @pytest.mark.usefixtures("interpret")
