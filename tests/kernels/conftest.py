@@ -19,17 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-CUDA = torch.cuda.is_available()
-
-
-def interpreter_ready() -> bool:
-    """True when Triton's own helpers were built for the interpreter in this process."""
-    try:
-        import triton.language as tl
-        from triton.runtime.interpreter import InterpretedFunction
-    except ImportError:  # pragma: no cover
-        return False
-    return isinstance(tl.sum, InterpretedFunction)
+from tests.kernels.common import CUDA, interpreter_ready
 
 
 @pytest.fixture

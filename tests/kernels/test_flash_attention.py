@@ -41,7 +41,7 @@ from llmkit.components.attention.sdpa import sdpa_attention
 from llmkit.components.base import BuildContext, DistanceBias, NoOptions
 from llmkit.components.position.alibi import alibi_slopes
 from llmkit.kernels import runtime
-from tests.kernels.budget import CUDA, assert_within_budget
+from tests.kernels.common import CUDA, assert_within_budget, interpreter_ready
 
 fa = pytest.importorskip("llmkit.kernels.flash_attention", reason="needs triton")
 
@@ -136,25 +136,17 @@ def check_against_reference(q, k, v, *, causal=True, slopes=None, pad=None, bloc
     return got
 
 
-def _interpreter_ready() -> bool:
-    """True when this process's triton language library was built for the interpreter."""
-    import triton.language as tl
-    from triton.runtime.interpreter import InterpretedFunction
-
-    return isinstance(tl.zeros, InterpretedFunction)
-
-
 @pytest.fixture
 def in_interpreter(monkeypatch):
     """Run this test's Triton kernels in the interpreter (CPU tensors take the kernel)."""
-    if not _interpreter_ready():
+    if not interpreter_ready():
         pytest.skip("triton is compiled here: test_in_interpreter_subprocess runs this test")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
 def test_in_interpreter_subprocess():
     """Where this process's triton cannot interpret, rerun the module in a child that can."""
-    if _interpreter_ready():
+    if interpreter_ready():
         pytest.skip("the interpreter tests ran in this process")
     root = Path(__file__).resolve().parents[2]
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__]

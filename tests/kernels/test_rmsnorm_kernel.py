@@ -24,7 +24,7 @@ from llmkit.components.base import BuildContext
 from llmkit.components.norm.rmsnorm import RMSNorm
 from llmkit.components.norm.rmsnorm_triton import RMSNormTriton
 from llmkit.kernels import runtime
-from tests.kernels.budget import BF16, CUDA, DEVICE, assert_within_budget
+from tests.kernels.common import BF16, CUDA, DEVICE, assert_within_budget
 
 rn = pytest.importorskip("llmkit.kernels.rmsnorm", reason="needs triton")
 

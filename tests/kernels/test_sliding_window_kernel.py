@@ -29,7 +29,7 @@ from llmkit.components.attention.sliding_window import (
 from llmkit.components.base import BuildContext, DistanceBias
 from llmkit.components.position.alibi import alibi_slopes
 from llmkit.kernels import runtime
-from tests.kernels.budget import BF16_REASON, CUDA, DEVICE, assert_within_budget
+from tests.kernels.common import BF16_REASON, CUDA, DEVICE, assert_within_budget
 
 sw = pytest.importorskip("llmkit.kernels.sliding_window", reason="needs triton")
 

@@ -22,7 +22,7 @@ from llmkit.components.base import BuildContext
 from llmkit.components.ffn.swiglu import SwiGLU
 from llmkit.components.ffn.swiglu_triton import SwiGLUTriton
 from llmkit.kernels import runtime
-from tests.kernels.budget import BF16, CUDA, DEVICE, assert_within_budget
+from tests.kernels.common import BF16, CUDA, DEVICE, assert_within_budget
 
 sg = pytest.importorskip("llmkit.kernels.swiglu", reason="needs triton")
 

@@ -1,4 +1,7 @@
-"""The accuracy criterion of every kernel test, as in flash-attention's own tests.
+"""What the kernel tests share: the accuracy criterion, and whether this process's Triton
+can run the interpreter.
+
+Accuracy, as in flash-attention's own tests:
 
 The reference is the textbook formula in float64; a plain-PyTorch computation in the input
 dtype ("pt") sets the error budget. For each compared tensor::
@@ -37,3 +40,15 @@ def assert_within_budget(
         err = (a.double() - r).abs().max().item()
         budget = 2 * (p.double() - r).abs().max().item() + floor
         assert err <= budget, f"{name}: kernel error {err:.2e} > budget {budget:.2e}"
+
+
+def interpreter_ready() -> bool:
+    """True when this process's Triton language library (``tl.sum`` …) was built for the
+    interpreter, which happens when ``triton`` is first imported under
+    ``TRITON_INTERPRET=1`` (tests/conftest.py does so on machines without CUDA)."""
+    try:
+        import triton.language as tl
+        from triton.runtime.interpreter import InterpretedFunction
+    except ImportError:  # pragma: no cover - triton absent on this platform
+        return False
+    return isinstance(tl.sum, InterpretedFunction)
