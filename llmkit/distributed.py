@@ -204,10 +204,9 @@ def load_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, path: str) 
     )
 
 
-def full_model_state(model: nn.Module, ctx: DistContext) -> dict[str, torch.Tensor]:
-    """The whole model's weights on CPU, on rank 0 (empty elsewhere); every rank calls it."""
-    if ctx.parallel != "fsdp" or not ctx.distributed:
-        return {k: v.detach().cpu() for k, v in model.state_dict().items()}
+def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """An FSDP-sharded model's whole weights on CPU, on rank 0 (empty elsewhere); every rank
+    calls it (the shards are gathered)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     opts = StateDictOptions(full_state_dict=True, cpu_offload=True)

@@ -499,7 +499,7 @@ class Trainer:
             return self.model if dist.is_main else None
         from llmkit.model import build_model
 
-        full = distributed.full_model_state(self.model, dist)  # collective
+        full = distributed.full_model_state(self.model)  # collective
         if not dist.is_main:
             return None
         if getattr(self, "_export", None) is None:
