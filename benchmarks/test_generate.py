@@ -140,10 +140,9 @@ def test_greedy_decode(benchmark, pair, impl):
 
 
 def test_llmkit_decodes_faster(pair):
-    """Interleaved runs, best of each: our decode takes less time than transformers' at the
-    quick size (per-token overhead: measured 2.3×). At GPT-2 small both are bound by the same
-    fp32 matrix-vector products (measured parity, 1.04× on one thread), so full mode only
-    requires that we are not more than 10 % slower — closer than a shared machine's noise."""
+    """Interleaved runs, best of each: our decode takes less time than transformers'.
+    Measured on a 2-core EPYC: 2.3× at the quick size (per-token overhead), 1.25–1.31× at
+    GPT-2 small (the decoding weight layout, see ``llmkit.generate.COLUMN_MAJOR_ON_CPU``)."""
     ours, hf, prompt = pair
     best = {"llmkit": float("inf"), "transformers": float("inf")}
     for _ in range(2 if FULL else 5):
@@ -154,4 +153,4 @@ def test_llmkit_decodes_faster(pair):
             best[name] = min(best[name], time.perf_counter() - t0)
     ratio = best["transformers"] / best["llmkit"]
     print(f"\nllmkit {best['llmkit']:.3f}s, transformers {best['transformers']:.3f}s: ×{ratio:.2f}")
-    assert ratio > (0.9 if FULL else 1.0), best
+    assert ratio > 1.0, best

@@ -32,6 +32,7 @@ import torch
 from llmkit.generate import (
     Sampling,
     _Context,
+    _fit_layout,
     _model_device,
     _Row,
     _sample_steps,
@@ -157,6 +158,7 @@ def bench_generate(
     for b in batch_sizes:
         prompts = torch.randint(0, model.config.vocab_size, (b, prompt_len), generator=gen)
         rows = prompts.tolist()
+        _fit_layout(model, b)  # as a generation of b rows would
         _one_run(model, rows, new_tokens)  # warm-up
         runs = []
         peak = 0

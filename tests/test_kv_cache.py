@@ -14,7 +14,7 @@ from torch import nn
 from llmkit import hookimpl
 from llmkit.components.attention.sdpa import SDPAttention
 from llmkit.errors import SpecError
-from llmkit.generate import Sampling, generate_batch
+from llmkit.generate import Sampling, generate_batch, prepare_for_decoding
 from llmkit.model import KVCache, LayerCache, build_model
 from llmkit.registry import get_registry
 from llmkit.spec import load_spec_dict
@@ -72,6 +72,7 @@ def test_incremental_decoding_equals_the_full_forward(attention, position):
     idx = torch.randint(0, 64, (2, T), generator=gen)
     with torch.no_grad():
         full = model(idx).logits
+        prepare_for_decoding(model)  # and decode in the layout `llmkit generate` uses
         cache = model.new_cache()
         pieces = [(0, 5), (5, 8)] + [(t, t + 1) for t in range(8, T)]
         inc = torch.cat([model(idx[:, a:b], cache=cache).logits for a, b in pieces], 1)
