@@ -1,4 +1,5 @@
-"""Forward+backward time of every registered attention, ffn and norm component.
+"""Forward+backward time of every registered attention, ffn and norm component, and the step
+time of every registered optimizer.
 
 Parametrized over the registry: a plugin's component joins without edits here.
 Run ``pytest benchmarks`` (``LLMKIT_BENCH=full`` for the larger shapes).
@@ -11,7 +12,11 @@ import torch
 
 from benchmarks.conftest import FULL
 from llmkit.components.base import BuildContext
+from llmkit.model import build_model
 from llmkit.registry import get_registry
+from llmkit.spec import load_spec, load_spec_dict
+from tests.conftest import SPECS
+from tests.helpers import tiny_spec
 
 SEQ = [256, 1024, 4096] if FULL else [64]
 HEAD_DIM = [64, 128] if FULL else [32]
@@ -71,3 +76,29 @@ def test_ffn_and_norm_forward_backward(benchmark, record):
 
     out = benchmark(step)
     assert out.shape == x.shape and torch.isfinite(out).all()
+
+
+def _optimizer_cases():
+    records = get_registry().list("optimizer")
+    cases = [pytest.param(r, {}, id=r.name) for r in records]
+    cases += [
+        pytest.param(r, {"fused": False}, id="adamw-unfused") for r in records if r.name == "adamw"
+    ]
+    return cases
+
+
+@pytest.mark.benchmark(group="optimizer-step")
+@pytest.mark.parametrize(("record", "options"), _optimizer_cases())
+def test_optimizer_step(benchmark, record, options):
+    """One optimizer step over a model's parameters with fixed gradients: the baby GPT
+    (10.7M parameters) in full mode, a tiny model in quick mode."""
+    spec = load_spec(SPECS / "baby-gpt.toml") if FULL else load_spec_dict(tiny_spec())
+    torch.manual_seed(0)
+    model = build_model(spec)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p) * 1e-3
+    opt = record.load()(model, record.options_model()(**options))
+    before = model.layers[0].ffn.in_proj.weight.detach().clone()
+    benchmark(opt.step)
+    assert not torch.equal(model.layers[0].ffn.in_proj.weight, before)
+    benchmark.extra_info["parameters"] = sum(p.numel() for p in model.parameters())

@@ -23,8 +23,9 @@ class StepTiming:
 
 def build_training_step(rs: ResolvedSpec, batch_size: int, seq_len: int, precision: str):
     """A closure running one optimizer step exactly as the trainer does (autocast, backward,
-    clipping, optimizer), plus the model."""
+    clipping, optimizer), plus the model. ``precision`` may be ``auto``."""
     device = torch.device("cpu")
+    precision = hardware.choose_precision(precision, device)
     torch.manual_seed(0)
     model = build_model(rs).to(device).train()
     opt = rs.optimizer.build(model, rs.optimizer.options)

@@ -64,9 +64,12 @@ def choose_precision(requested: str, device: torch.device) -> str:
 
 
 def autocast(device: torch.device, precision: str) -> Any:
-    """The autocast context for a precision (a no-op for fp32)."""
+    """The autocast context for a resolved precision (a no-op for fp32); resolve ``auto``
+    with :func:`choose_precision` first."""
     if precision == "fp32":
         return contextlib.nullcontext()
+    if precision not in ("bf16", "fp16"):
+        raise ValueError(f"autocast: unresolved precision {precision!r} (use choose_precision)")
     dtype = torch.bfloat16 if precision == "bf16" else torch.float16
     return torch.autocast(device_type=device.type, dtype=dtype)
 

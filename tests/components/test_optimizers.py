@@ -291,3 +291,33 @@ def test_muon_step_matches_reference():
     expected = w0 * (1 - 0.1 * 0.2) - 0.1 * 2**0.5 * muon.newton_schulz(update)
     torch.testing.assert_close(w.detach(), expected)
     torch.testing.assert_close(w.grad, g)  # the gradient is left untouched
+
+
+def test_adamw_uses_the_fused_kernel_where_torch_supports_the_parameters():
+    adamw = module("adamw")
+    model = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8))
+    opt = adamw.build(model, adamw.Options(lr=1e-3))
+    assert opt.defaults["fused"] is True
+    assert adamw.build(model, adamw.Options(lr=1e-3, fused=False)).defaults["fused"] is False
+    frozen_int = nn.Module()
+    frozen_int.w = nn.Parameter(torch.ones(3))
+    frozen_int.meta = nn.Parameter(torch.ones(3, device="meta"))
+    assert not adamw.fused_supported(frozen_int)  # two devices, one of them unsupported
+
+
+def test_fused_and_unfused_adamw_take_the_same_steps():
+    adamw = module("adamw")
+    torch.manual_seed(0)
+    a = nn.Sequential(nn.Linear(6, 6), nn.GELU(), nn.Linear(6, 2))
+    b = copy.deepcopy(a)
+    opts = {"lr": 1e-2, "weight_decay": 0.1, "betas": (0.9, 0.99)}
+    oa = adamw.build(a, adamw.Options(**opts))
+    ob = adamw.build(b, adamw.Options(**opts, fused=False))
+    x = torch.randn(16, 6)
+    for _ in range(20):
+        for m, o in ((a, oa), (b, ob)):
+            m(x).pow(2).mean().backward()
+            o.step()
+            o.zero_grad()
+    for pa, pb in zip(a.parameters(), b.parameters()):
+        torch.testing.assert_close(pa, pb, atol=1e-6, rtol=1e-5)
