@@ -229,6 +229,27 @@ def build_step(r: Recipe, vocab_size: int = 65):
     return (lambda: train_step(model, opt, x, y, r)), model
 
 
+@torch.no_grad()
+def load_llmkit_weights(model: GPT, llmkit_model: nn.Module) -> None:
+    """Copy the weights of an llmkit model of the same GPT shape (learned positions,
+    LayerNorm without bias, fused qkv, GELU MLP, tied head) into ``model``."""
+    sd = llmkit_model.state_dict()
+    model.tok.weight.copy_(sd["tok_emb.weight"])
+    model.pos.weight.copy_(sd["position.wpe.weight"])
+    model.ln_f.weight.copy_(sd["norm_f.weight"])
+    names = {
+        "ln1": "norm1",
+        "ln2": "norm2",
+        "qkv": "attn.qkv",
+        "attn_out": "attn.out_proj",
+        "fc": "ffn.in_proj",
+        "mlp_out": "ffn.out_proj",
+    }
+    for i, blk in enumerate(model.blocks):
+        for ours, theirs in names.items():
+            getattr(blk, ours).weight.copy_(sd[f"layers.{i}.{theirs}.weight"])
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--data", type=Path, default=Path("../shared/data/tinyshakespeare.txt"))

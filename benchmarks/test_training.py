@@ -10,6 +10,7 @@ the baby GPT (6 layers, width 384, context 256, batch 16) side by side.
 from __future__ import annotations
 
 import pytest
+import torch
 
 from benchmarks import reference_gpt
 from benchmarks.conftest import FULL
@@ -53,37 +54,39 @@ def test_time_training_step_reports_mfu(name):
     assert timing.tokens_per_s > 0 and timing.mfu is not None and 0 < timing.mfu < 1.5
 
 
-def _side_by_side():
-    """Our baby-GPT spec and the plain-PyTorch recipe of the same model and batch."""
-    rs, batch, seq = _spec("baby-gpt.toml")
-    shape = (
-        reference_gpt.BABY_GPT
-        if FULL
-        else {
-            "n_layer": 1,
-            "n_head": 2,
-            "n_embd": 64,
-            "block_size": 32,
-            "batch_size": 2,
-            "dropout": 0.2,
-        }
-    )
+#: The specs compared with the plain-PyTorch loop, and that loop's recipe for each.
+SIDE_BY_SIDE = {"shakespeare-char.toml": {}, "baby-gpt.toml": reference_gpt.BABY_GPT}
+QUICK_SHAPE = {"n_layer": 1, "n_head": 2, "n_embd": 64, "block_size": 32, "batch_size": 2}
+
+
+def _side_by_side(name: str):
+    """Our spec and the plain-PyTorch recipe of the same model and batch."""
+    rs, batch, seq = _spec(name)
+    shape = SIDE_BY_SIDE[name] if FULL else {**SIDE_BY_SIDE[name], **QUICK_SHAPE}
     recipe = reference_gpt.Recipe(**shape)
     assert (recipe.batch_size, recipe.block_size) == (batch, seq)
+    assert recipe.dropout == rs.model.dropout
     return rs, batch, seq, recipe
 
 
-def test_side_by_side_models_are_the_same_size():
-    rs, _, _, recipe = _side_by_side()
-    ours = build_training_step(rs, 1, 8, "fp32")[1]
-    theirs = reference_gpt.build_step(recipe, rs.model.vocab_size)[1]
+@pytest.mark.parametrize("name", SIDE_BY_SIDE)
+def test_side_by_side_models_are_the_same(name):
+    """Same parameter count, and the same loss from the same weights."""
+    rs, _, _, recipe = _side_by_side(name)
+    ours = build_training_step(rs, 1, 8, "fp32")[1].eval()
+    theirs = reference_gpt.build_step(recipe, rs.model.vocab_size)[1].eval()
     assert ours.num_params() == sum(p.numel() for p in theirs.parameters())
+    reference_gpt.load_llmkit_weights(theirs, ours)
+    x = torch.randint(0, rs.model.vocab_size, (2, 8))
+    with torch.no_grad():
+        torch.testing.assert_close(theirs(x, x), ours(x, x).loss)
 
 
 @pytest.mark.benchmark(group="train-step-vs-plain-pytorch")
 @pytest.mark.parametrize("impl", ["llmkit", "plain-pytorch"])
-def test_training_step_side_by_side(benchmark, impl):
-    rs, batch, seq, recipe = _side_by_side()
+@pytest.mark.parametrize("name", SIDE_BY_SIDE)
+def test_training_step_side_by_side(benchmark, name, impl):
+    rs, batch, seq, recipe = _side_by_side(name)
     if impl == "llmkit":
         step, model = build_training_step(rs, batch, seq, "auto")
         flops = model.flops_per_token(seq)["train"]
@@ -92,7 +95,8 @@ def test_training_step_side_by_side(benchmark, impl):
         flops = model.flops_per_token(seq, recipe)
     for _ in range(2):
         step()  # warm-up: first-touch allocations, oneDNN primitive caches
-    loss = benchmark.pedantic(step, rounds=5 if FULL else 10, warmup_rounds=0)
+    rounds = (20 if name.startswith("shakespeare") else 5) if FULL else 10
+    loss = benchmark.pedantic(step, rounds=rounds, warmup_rounds=0)
     assert loss == loss
     if benchmark.stats:
         median = benchmark.stats.stats.median

@@ -107,8 +107,16 @@ def plot_losses(records: list[dict[str, Any]], path: Path, title: str = "") -> N
     tmp.replace(path)
 
 
+#: During training the loss curve is redrawn at a checkpoint only if this many seconds passed
+#: since the last drawing (a drawing costs ≈ 0.3 s on a 2-core CPU); it is always drawn at
+#: the end of the run.
+PLOT_EVERY_S = 30.0
+
+
 class Trainer:
     """Trains the model a resolved spec describes, writing everything into ``run_dir``."""
+
+    _plotted = -math.inf  # time.monotonic() of the last loss-curve drawing
 
     def __init__(
         self,
@@ -303,8 +311,10 @@ class Trainer:
                         final = True
                 if self.step % ckpt_every == 0 or final or self.step % t.eval_interval == 0:
                     self._save(best=last_val is not None and last_val == self.best_val)
-                    if self.dist.is_main:
+                    now = time.monotonic()
+                    if self.dist.is_main and not final and now - self._plotted >= PLOT_EVERY_S:
                         plot_losses(history, self.run_dir / PLOT_FILE, self.rs.spec.name or "")
+                        self._plotted = now
                 if out_of_time:
                     stopped = "max_time"
                 if signalled:

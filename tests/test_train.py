@@ -62,6 +62,28 @@ def test_training_writes_the_run_directory(tmp_path):
     assert Checkpoints(run).latest().name == "step-000020"
 
 
+def test_loss_curve_is_drawn_during_training_at_most_every_plot_interval(tmp_path, monkeypatch):
+    from llmkit import train as train_module
+
+    drawn: list[int] = []
+    real = train_module.plot_losses
+    monkeypatch.setattr(
+        train_module, "plot_losses", lambda h, *a: drawn.append(h[-1]["step"]) or real(h, *a)
+    )
+    monkeypatch.setattr(train_module, "PLOT_EVERY_S", 3600.0)
+    monkeypatch.setenv("LLMKIT_FAIL_AT", "0:8")  # a crash after the checkpoints of steps 3, 6
+    run = tmp_path / "run"
+    spec = write_spec(tmp_path, max_steps=20, eval_interval=3)
+    with pytest.raises(RuntimeError, match="injected failure"):
+        train(spec, run_dir=run, log=lambda _m: None, progress=False)
+    assert drawn == [3] and (run / "loss.png").is_file()  # drawn during training, throttled
+    monkeypatch.delenv("LLMKIT_FAIL_AT")
+    monkeypatch.setattr(train_module, "PLOT_EVERY_S", 0.0)
+    drawn.clear()
+    train(None, run_dir=run, resume=True, log=lambda _m: None, progress=False)
+    assert drawn == [9, 12, 15, 18, 20]  # every checkpoint but the last, then once at the end
+
+
 def test_refuses_to_overwrite_a_run(tmp_path):
     run = tmp_path / "run"
     spec = write_spec(tmp_path, max_steps=2, eval_interval=2)
