@@ -6,7 +6,11 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 os.environ.setdefault("LLMKIT_PLUGINS", "")
 
 FULL = os.environ.get("LLMKIT_BENCH", "quick") == "full"
+
+#: The example specs (importing tests.conftest instead would reset LLMKIT_PLUGINS).
+SPECS = Path(__file__).resolve().parent.parent / "specs"

@@ -10,12 +10,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from benchmarks.conftest import FULL
+from benchmarks.conftest import FULL, SPECS
 from llmkit.components.base import BuildContext
 from llmkit.model import build_model
 from llmkit.registry import get_registry
 from llmkit.spec import load_spec, load_spec_dict
-from tests.conftest import SPECS
 from tests.helpers import tiny_spec
 
 SEQ = [256, 1024, 4096] if FULL else [64]

@@ -15,10 +15,9 @@ import pytest
 import torch
 
 from benchmarks import reference_gpt
-from benchmarks.conftest import FULL
+from benchmarks.conftest import FULL, SPECS
 from llmkit.bench import build_training_step, time_training_step
 from llmkit.spec import load_spec
-from tests.conftest import SPECS
 
 CPU_SPECS = ["tiny.toml", "shakespeare-char.toml", "baby-gpt.toml"]
 
