@@ -21,25 +21,36 @@ class StepTiming:
     precision: str
 
 
-def build_training_step(rs: ResolvedSpec, batch_size: int, seq_len: int, precision: str):
+def build_training_step(
+    rs: ResolvedSpec, batch_size: int, seq_len: int, precision: str, device: str = "cpu"
+):
     """A closure running one optimizer step exactly as the trainer does (autocast, backward,
-    clipping, optimizer), plus the model. ``precision`` may be ``auto``."""
-    device = torch.device("cpu")
-    precision = hardware.choose_precision(precision, device)
+    a grad scaler for fp16, clipping, optimizer), plus the model. ``precision`` may be
+    ``auto``; the step returns the loss (reading it waits for the device)."""
+    dev = torch.device(device)
+    precision = hardware.choose_precision(precision, dev)
     torch.manual_seed(0)
-    model = build_model(rs).to(device).train()
+    model = build_model(rs).to(dev).train()
     opt = rs.optimizer.build(model, rs.optimizer.options)
+    scaler = torch.amp.GradScaler(dev.type) if precision == "fp16" else None
     vocab = rs.model.vocab_size
-    x = torch.randint(0, vocab, (batch_size, seq_len))
-    y = torch.randint(0, vocab, (batch_size, seq_len))
+    x = torch.randint(0, vocab, (batch_size, seq_len)).to(dev)
+    y = torch.randint(0, vocab, (batch_size, seq_len)).to(dev)
 
     def step() -> float:
-        with hardware.autocast(device, precision):
+        with hardware.autocast(dev, precision):
             out = model(x, y)
             loss = out.total_loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        if scaler is None:
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+        else:
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            scaler.step(opt)
+            scaler.update()
         opt.zero_grad(set_to_none=True)
         return float(loss.detach())
 
@@ -47,12 +58,18 @@ def build_training_step(rs: ResolvedSpec, batch_size: int, seq_len: int, precisi
 
 
 def time_training_step(
-    rs: ResolvedSpec, batch_size: int, seq_len: int, precision: str = "auto", repeats: int = 5
+    rs: ResolvedSpec,
+    batch_size: int,
+    seq_len: int,
+    precision: str = "auto",
+    repeats: int = 5,
+    device: str = "cpu",
 ) -> StepTiming:
-    """Median time of ``repeats`` training steps after two warm-up steps."""
-    device = torch.device("cpu")
-    precision = hardware.choose_precision(precision, device)
-    step, model = build_training_step(rs, batch_size, seq_len, precision)
+    """Median time of ``repeats`` training steps after two warm-up steps; MFU against the
+    measured matmul peak on CPU and the data-sheet peak of known GPUs."""
+    dev = torch.device(device)
+    precision = hardware.choose_precision(precision, dev)
+    step, model = build_training_step(rs, batch_size, seq_len, precision, device)
     for _ in range(2):
         step()
     times = []
@@ -63,5 +80,5 @@ def time_training_step(
     median = sorted(times)[len(times) // 2]
     tps = batch_size * seq_len / median
     flops = model.flops_per_token(seq_len)["train"] * tps
-    peak = hardware.peak_flops(device, precision)
+    peak = hardware.peak_flops(dev, precision)
     return StepTiming(median, tps, flops, flops / peak if peak else None, precision)
