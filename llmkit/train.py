@@ -357,7 +357,8 @@ class Trainer:
     def _train_step(self) -> dict[str, Any] | None:
         t = self.t
         set_lr_factor(self.optimizer, self.lr_factor(self.step))
-        self.model.train()
+        if not self.model.training:  # (a recursive call: ≈ 0.5 ms a step on a small model)
+            self.model.train()
         loss_sum = torch.zeros((), device=self.device)
         aux_sums: dict[str, Any] = {}
         metrics: dict[str, Any] = {}
