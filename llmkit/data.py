@@ -393,6 +393,11 @@ class _Sampler:
         self.rank = rank
         self.world_size = world_size
         self.n_blocks = _n_blocks(len(data), block_size, f"{name} split")
+        self._start(name)
+
+    def _start(self, name: str) -> None:
+        """What a sampler adds to the shared state (its position), set up at construction."""
+        raise NotImplementedError
 
 
 class BlockSampler(_Sampler):
@@ -403,25 +408,16 @@ class BlockSampler(_Sampler):
     ``world_size``-th block of the permutation from ``r`` on: disjoint shares of equal size,
     and one step of N ranks reads exactly the blocks one process reads with an N× batch."""
 
-    def __init__(
-        self,
-        data: TokenFile | np.ndarray,
-        block_size: int,
-        seed: int = 0,
-        *,
-        rank: int = 0,
-        world_size: int = 1,
-        name: str = "train",
-    ) -> None:
-        super().__init__(data, block_size, seed, rank=rank, world_size=world_size, name=name)
-        if self.n_blocks >= 2 * world_size:  # keep a block spare so epochs can shift the grid
+    def _start(self, name: str) -> None:
+        ws = self.world_size
+        if self.n_blocks >= 2 * ws:  # keep a block spare so epochs can shift the grid
             self.n_blocks -= 1
-        self.spare = len(data) - 1 - self.n_blocks * block_size
-        self.blocks_per_rank = self.n_blocks // world_size
+        self.spare = len(self.data) - 1 - self.n_blocks * self.block_size
+        self.blocks_per_rank = self.n_blocks // ws
         if self.blocks_per_rank == 0:
             raise LlmkitError(
-                f"{name} split: {self.n_blocks} block(s) of {block_size} tokens cannot be "
-                f"shared by {world_size} ranks"
+                f"{name} split: {self.n_blocks} block(s) of {self.block_size} tokens cannot be "
+                f"shared by {ws} ranks"
             )
         self.epoch = 0
         self.index = 0
@@ -506,17 +502,7 @@ class RandomWindowSampler(_Sampler):
     ``get_batch``). Batch ``n`` is a function of ``(seed, rank, n)`` alone, so the state is
     one counter and a resumed run draws exactly the batches an uninterrupted one would."""
 
-    def __init__(
-        self,
-        data: TokenFile | np.ndarray,
-        block_size: int,
-        seed: int = 0,
-        *,
-        rank: int = 0,
-        world_size: int = 1,
-        name: str = "train",
-    ) -> None:
-        super().__init__(data, block_size, seed, rank=rank, world_size=world_size, name=name)
+    def _start(self, name: str) -> None:
         self.draws = 0
 
     def next_batch(self, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
