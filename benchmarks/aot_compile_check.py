@@ -1,4 +1,4 @@
-"""Compile the flash-attention Triton kernels for NVIDIA GPUs ahead of time, without a GPU.
+"""Compile the attention Triton kernels for NVIDIA GPUs ahead of time, without a GPU.
 
 The CPU interpreter (``TRITON_INTERPRET=1``, what the tests run) hides what only the GPU
 compiler sees: ``tl.dot`` shape and dtype rules, shared memory over the per-block limit,
@@ -14,9 +14,10 @@ means register spills).
     python -m benchmarks.aot_compile_check [--arch 80,86,90] [--full] [--json OUT]
 
 Default matrix: bf16 and fp32 (IEEE and TF32 dots) × head dim 32/64/128/256 × (causal,
-ALiBi, padding mask all on | all off), each sm. ``--full`` adds fp16 and every causal × ALiBi
-× padding combination (fp16 compiles like bf16; the flags barely move the resources).
-Exit status 0 when everything compiles within the limits, 1 otherwise. About 2-4 min of
+ALiBi, padding mask all on | all off | a causal window: the kernels
+:mod:`llmkit.kernels.sliding_window` runs), each sm. ``--full`` adds fp16 and every causal ×
+ALiBi × padding combination (fp16 compiles like bf16; the flags barely move the resources).
+Exit status 0 when everything compiles within the limits, 1 otherwise. About 3-6 min of
 compiling per arch by default (triton 3.9 on a 2-core machine; triton 3.6 is faster; cached
 kernels are instant), ~4× that with ``--full``. Works with triton 3.6 (the CUDA image's)
 to 3.9; compiling with the triton a GPU machine has is the closer check.
@@ -115,7 +116,7 @@ def compiling_for(arch: int, sink: list[dict[str, Any]], tag: dict[str, Any]) ->
 
 def launch_flash(dtype: torch.dtype, head_dim: int, causal: bool, alibi: bool, pad: bool,
                  tf32: bool = False, batch: int = 2, heads: int = 4, groups: int = 1,
-                 tq: int = 1024, tk: int = 1024) -> None:  # fmt: skip
+                 tq: int = 1024, tk: int = 1024, window: int | None = None) -> None:  # fmt: skip
     """Forward and backward through the wrapper on empty CPU tensors (kernels intercepted)."""
     from llmkit.kernels import flash_attention as fa
 
@@ -130,7 +131,7 @@ def launch_flash(dtype: torch.dtype, head_dim: int, causal: bool, alibi: bool, p
         slopes = torch.full((heads,), 0.5) if alibi else None
         mask = torch.ones(batch, tk, dtype=torch.bool) if pad else None
         kpm = fa._padding_bytes(mask, batch, tk, q.device)
-        out = fa.FlashAttentionFunction.apply(q, k, v, slopes, kpm, causal, None)
+        out = fa.FlashAttentionFunction.apply(q, k, v, slopes, kpm, causal, window, None)
         out.backward(torch.empty_like(out))
     finally:
         torch.backends.cuda.matmul.allow_tf32 = saved
@@ -145,6 +146,10 @@ def flash_matrix(full: bool) -> list[dict[str, Any]]:
     cases = []
     for dt, d, (causal, alibi, pad) in itertools.product(dtypes, (32, 64, 128, 256), flags):
         cases.append({"dtype": dt, "D": d, "causal": causal, "alibi": alibi, "pad": pad})
+    # The sliding-window variant (HAS_WINDOW), as attention.sliding_window launches it.
+    for dt, d in itertools.product(dtypes, (32, 64, 128, 256)):
+        cases.append({"dtype": dt, "D": d, "causal": True, "alibi": False, "pad": False,
+                      "window": 256})  # fmt: skip
     # Shape specializations: ragged lengths, decoding (Tq = 1), GQA, odd head dims.
     for dt, d in itertools.product(("bfloat16", "float32"), (16, 96)):
         cases.append({"dtype": dt, "D": d, "causal": True, "alibi": False, "pad": True,
@@ -164,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     for arch in (int(a) for a in args.arch.split(",")):
         for case in flash_matrix(args.full):
             dt = case["dtype"]
-            kwargs = {k: case[k] for k in ("tq", "tk", "groups") if k in case}
+            kwargs = {k: case[k] for k in ("tq", "tk", "groups", "window") if k in case}
             with compiling_for(arch, records, case):
                 launch_flash(getattr(torch, dt.removesuffix("-tf32")), case["D"], case["causal"],
                              case["alibi"], case["pad"], tf32=dt.endswith("-tf32"),

@@ -29,6 +29,12 @@ gives a zero output and zero gradients, never NaN. ALiBi (``DistanceBias.slopes`
 ``−slope·d`` with ``d = max(qpos − kpos, 0)`` when causal and ``|qpos − kpos|`` otherwise,
 exactly as :meth:`~llmkit.components.base.DistanceBias.dense`. Slopes get no gradient.
 
+Sliding window (``window`` W, causal only; :mod:`llmkit.kernels.sliding_window`): a query
+at key position p also drops keys ≤ p − W. The forward and dQ programs then start at the key
+block of the oldest key their first query sees, and a dK/dV program stops at the last query
+whose window reaches its keys, so the work is O(L·W). W is a runtime argument (no recompile
+per window); ``HAS_WINDOW`` removes all of it from the kernels compiled without a window.
+
 GQA/MQA: K and V are never repeated in memory. Query head ``h`` reads kv head
 ``h // groups``. The dK/dV program of a kv head loops over the ``groups`` query heads of its
 group and sums their contributions in registers before one store: deterministic and with no
@@ -110,11 +116,13 @@ def _fwd_kernel(
     TQ,
     TK,
     sm_scale,
+    WINDOW,
     GROUPS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     CAUSAL: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     HAS_KPM: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
     PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -144,18 +152,21 @@ def _fwd_kernel(
 
     q_ptrs = Q + offs_m[:, None].to(tl.int64) * stride_qm + offs_d[None, :] * stride_qd
     q = tl.load(q_ptrs, mask=m_valid[:, None] & d_valid[None, :], other=0.0)
-    k_ptrs = K + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd
-    v_ptrs = V + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd
 
     qk_scale = sm_scale * 1.4426950408889634  # log2(e): softmax in base 2
     if HAS_BIAS:
         slope = tl.load(SLOPES + off_h).to(tl.float32) * 1.4426950408889634
     hi = tl.minimum(TK, offset + (start_m + 1) * BLOCK_M) if CAUSAL else TK
+    # A window: start at the key block of the oldest key the first query of the block sees.
+    lo = (tl.maximum(offset + start_m * BLOCK_M - WINDOW + 1, 0) // BLOCK_N) * BLOCK_N
+    lo = lo if HAS_WINDOW else 0
+    k_ptrs = K + (lo + offs_n)[:, None] * stride_kn + offs_d[None, :] * stride_kd
+    v_ptrs = V + (lo + offs_n)[:, None] * stride_vn + offs_d[None, :] * stride_vd
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    for start_n in range(0, hi, BLOCK_N):
+    for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
         n_valid = cols < TK
         kv_mask = n_valid[:, None] & d_valid[None, :]
@@ -168,6 +179,8 @@ def _fwd_kernel(
         keep = n_valid[None, :]
         if CAUSAL:
             keep = keep & (cols[None, :] <= q_pos[:, None])
+        if HAS_WINDOW:
+            keep = keep & (cols[None, :] > q_pos[:, None] - WINDOW)
         if HAS_KPM:
             pad = tl.load(KPM + cols, mask=n_valid, other=0)
             keep = keep & (pad != 0)[None, :]
@@ -267,11 +280,13 @@ def _bwd_dkdv_kernel(
     TQ,
     TK,
     sm_scale,
+    WINDOW,
     GROUPS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     CAUSAL: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     HAS_KPM: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
     PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -302,8 +317,10 @@ def _bwd_dkdv_kernel(
         keep_n = keep_n & (pad != 0)
 
     qk_scale = sm_scale * 1.4426950408889634
-    # Causal: start at the block of the first query that can see key start_n.
+    # Causal: start at the block of the first query that can see key start_n; with a window,
+    # stop after the last query whose window still reaches the last key of the block.
     lo = (tl.maximum(start_n - offset, 0) // BLOCK_M) * BLOCK_M if CAUSAL else 0
+    hi = tl.minimum(start_n + BLOCK_N + WINDOW - 1 - offset, TQ) if HAS_WINDOW else TQ
 
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
@@ -316,7 +333,7 @@ def _bwd_dkdv_kernel(
         DELTAh = DELTA + off_bh.to(tl.int64) * TQ
         if HAS_BIAS:
             slope = tl.load(SLOPES + off_h).to(tl.float32) * 1.4426950408889634
-        for start_m in range(lo, TQ, BLOCK_M):
+        for start_m in range(lo, hi, BLOCK_M):
             rows = start_m + offs_m
             m_valid = rows < TQ
             q_mask = m_valid[:, None] & d_valid[None, :]
@@ -338,6 +355,8 @@ def _bwd_dkdv_kernel(
             keep = keep_n[:, None] & m_valid[None, :]
             if CAUSAL:
                 keep = keep & (cols[:, None] <= q_pos[None, :])
+            if HAS_WINDOW:
+                keep = keep & (cols[:, None] > q_pos[None, :] - WINDOW)
             p_t = tl.where(keep, tl.exp2(s_t - lse[None, :]), 0.0)
             dv += tl.dot(p_t.to(do.dtype), do, input_precision=PRECISION)
             dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
@@ -394,11 +413,13 @@ def _bwd_dq_kernel(
     TQ,
     TK,
     sm_scale,
+    WINDOW,
     GROUPS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     CAUSAL: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     HAS_KPM: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
     PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -431,16 +452,18 @@ def _bwd_dq_kernel(
     do = tl.load(DO + rows64 * stride_dom + offs_d[None, :] * stride_dod, mask=q_mask, other=0.0)
     lse = tl.load(LSE + off_bh.to(tl.int64) * TQ + offs_m, mask=m_valid, other=0.0)
     delta = tl.load(DELTA + off_bh.to(tl.int64) * TQ + offs_m, mask=m_valid, other=0.0)
-    k_ptrs = K + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd
-    v_ptrs = V + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd
 
     qk_scale = sm_scale * 1.4426950408889634
     if HAS_BIAS:
         slope = tl.load(SLOPES + off_h).to(tl.float32) * 1.4426950408889634
     hi = tl.minimum(TK, offset + (start_m + 1) * BLOCK_M) if CAUSAL else TK
+    lo = (tl.maximum(offset + start_m * BLOCK_M - WINDOW + 1, 0) // BLOCK_N) * BLOCK_N
+    lo = lo if HAS_WINDOW else 0
+    k_ptrs = K + (lo + offs_n)[:, None] * stride_kn + offs_d[None, :] * stride_kd
+    v_ptrs = V + (lo + offs_n)[:, None] * stride_vn + offs_d[None, :] * stride_vd
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    for start_n in range(0, hi, BLOCK_N):
+    for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
         n_valid = cols < TK
         kv_mask = n_valid[:, None] & d_valid[None, :]
@@ -454,6 +477,8 @@ def _bwd_dq_kernel(
         keep = n_valid[None, :] & m_valid[:, None]
         if CAUSAL:
             keep = keep & (cols[None, :] <= q_pos[:, None])
+        if HAS_WINDOW:
+            keep = keep & (cols[None, :] > q_pos[:, None] - WINDOW)
         if HAS_KPM:
             pad = tl.load(KPM + cols, mask=n_valid, other=0)
             keep = keep & (pad != 0)[None, :]
@@ -575,7 +600,7 @@ class FlashAttentionFunction(torch.autograd.Function):
     """Autograd wrapper: forward saves (q, k, v, o, lse); backward recomputes P blockwise."""
 
     @staticmethod
-    def forward(ctx, q, k, v, slopes, kpm, causal, blocks):
+    def forward(ctx, q, k, v, slopes, kpm, causal, window, blocks):
         b, hq, tq, d = q.shape
         hkv, tk = k.shape[1], k.shape[2]
         groups = hq // hkv
@@ -602,11 +627,13 @@ class FlashAttentionFunction(torch.autograd.Function):
             tq,
             tk,
             sm_scale,
+            window or 0,
             GROUPS=groups,
             HEAD_DIM=d,
             CAUSAL=causal,
             HAS_BIAS=slopes is not None,
             HAS_KPM=kpm is not None,
+            HAS_WINDOW=window is not None,
             PRECISION=_precision(q.dtype),
             BLOCK_M=cfg.block_m,
             BLOCK_N=cfg.block_n,
@@ -616,6 +643,7 @@ class FlashAttentionFunction(torch.autograd.Function):
         )
         ctx.save_for_backward(q, k, v, o, lse, slopes, kpm)
         ctx.causal = causal
+        ctx.window = window
         ctx.blocks = blocks
         return o
 
@@ -634,6 +662,7 @@ class FlashAttentionFunction(torch.autograd.Function):
             "CAUSAL": ctx.causal,
             "HAS_BIAS": slopes is not None,
             "HAS_KPM": kpm is not None,
+            "HAS_WINDOW": ctx.window is not None,
             "PRECISION": precision,
             "BLOCK_D": block_d,
         }
@@ -683,6 +712,7 @@ class FlashAttentionFunction(torch.autograd.Function):
                 tq,
                 tk,
                 sm_scale,
+                ctx.window or 0,
                 BLOCK_M=cfg.block_m,
                 BLOCK_N=cfg.block_n,
                 num_warps=cfg.num_warps,
@@ -712,13 +742,14 @@ class FlashAttentionFunction(torch.autograd.Function):
                 tq,
                 tk,
                 sm_scale,
+                ctx.window or 0,
                 BLOCK_M=cfg.block_m,
                 BLOCK_N=cfg.block_n,
                 num_warps=cfg.num_warps,
                 num_stages=cfg.num_stages,
                 **flags,
             )
-        return dq, dk, dv, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None
 
 
 # --------------------------------------------------------------------------- entry points
@@ -732,17 +763,26 @@ def flash_attention(
     causal: bool = True,
     bias: DistanceBias | None = None,
     key_padding_mask: Tensor | None = None,
+    window: int | None = None,
     blocks: tuple[int, int] | None = None,
 ) -> Tensor:
     """Attention through the fused Triton kernels (the AttentionKernel contract).
 
     q (B, Hq, Tq, D); k, v (B, Hkv, Tk, D) with Hq a multiple of Hkv and Tk ≥ Tq; query i at
     key position Tk − Tq + i; ``key_padding_mask`` (B, Tk) True where a key may be attended;
-    ``bias`` an ALiBi-style :class:`DistanceBias`. Inputs must satisfy
+    ``bias`` an ALiBi-style :class:`DistanceBias`. ``window`` W (causal only): each query
+    attends its last W keys, and the kernels visit only the key blocks that meet a window,
+    so time is O(L·W) (:mod:`llmkit.kernels.sliding_window`). Inputs must satisfy
     :func:`kernel_supports` and sit where :func:`llmkit.kernels.runtime.use_triton` allows.
     ``blocks`` = (BLOCK_M, BLOCK_N) overrides the tile sizes of all kernels (tests).
     """
     check_shapes(q, k, v)
+    if window is not None:
+        if window < 1:
+            raise ValueError(f"window must be ≥ 1, got {window}")
+        if not causal:
+            raise ValueError("a window needs causal attention; got causal=False")
+        window = min(int(window), k.shape[2])  # no query has more than Tk keys behind it
     if not kernel_supports(q, k, v):
         raise ValueError(
             f"flash_attention takes {[str(t) for t in SUPPORTED_DTYPES]} q/k/v of one dtype "
@@ -757,7 +797,7 @@ def flash_attention(
         if slopes.shape != (q.shape[1],):
             raise ValueError(f"bias has {tuple(slopes.shape)} slopes for {q.shape[1]} heads")
     kpm = _padding_bytes(key_padding_mask, q.shape[0], k.shape[2], q.device)
-    return FlashAttentionFunction.apply(q, k, v, slopes, kpm, bool(causal), blocks)
+    return FlashAttentionFunction.apply(q, k, v, slopes, kpm, bool(causal), window, blocks)
 
 
 def flash_attention_reference(

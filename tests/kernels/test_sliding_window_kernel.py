@@ -32,6 +32,7 @@ from llmkit.kernels import runtime
 from tests.kernels.common import BF16_REASON, CUDA, DEVICE, assert_within_budget
 
 sw = pytest.importorskip("llmkit.kernels.sliding_window", reason="needs triton")
+flash = pytest.importorskip("llmkit.kernels.flash_attention", reason="needs triton")
 
 FLOOR = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 
@@ -201,6 +202,35 @@ def test_backward_is_deterministic():
         assert torch.equal(a, b)
 
 
+@pytest.mark.usefixtures("interpret")
+@pytest.mark.parametrize("tq", [23, 5])
+def test_window_covering_every_key_is_plain_causal_flash(tq):
+    """A window ≥ Tk changes nothing: outputs and gradients equal the flash kernel's without
+    a window, bit for bit (same blocks, same order; the window mask keeps everything)."""
+    q, k, v, grad, pad = make_inputs(2, 4, 2, tq, 23, 16, seed=tq, pad_keys=4)
+    slopes = torch.tensor(alibi_slopes(4)).to(DEVICE)
+    bias, mask = DistanceBias(slopes), pad.to(DEVICE)
+
+    def windowed(q, k, v):
+        return sw.sliding_window_attention_triton(q, k, v, 40, slopes=slopes, key_padding_mask=mask)
+
+    def causal(q, k, v):
+        return flash.flash_attention(q, k, v, causal=True, bias=bias, key_padding_mask=mask)
+
+    got = forward_backward(windowed, q, k, v, grad, torch.float32)
+    want = forward_backward(causal, q, k, v, grad, torch.float32)
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_flash_rejects_a_bad_window():
+    q, k, v, _, _ = make_inputs(1, 2, 1, 4, 4, 16)
+    with pytest.raises(ValueError, match="causal"):
+        flash.flash_attention(q, k, v, causal=False, window=2)
+    with pytest.raises(ValueError, match="window"):
+        flash.flash_attention(q, k, v, window=0)
+
+
 def test_rejects_bad_arguments_and_takes_empty_queries():
     q, k, v, _, _ = make_inputs(1, 2, 1, 0, 4, 16)
     assert sw.sliding_window_attention_triton(q, k, v, 3).shape == (1, 2, 0, 16)
@@ -222,10 +252,11 @@ CTX = BuildContext(d_model=32, n_heads=4, n_kv_heads=2, head_dim=8, max_seq_len=
 
 
 def _count_kernel_calls(monkeypatch) -> list[int]:
+    """The window of every call into the Triton kernels."""
     calls: list[int] = []
-    real = sw.SlidingWindowAttentionFunction.apply
+    real = flash.FlashAttentionFunction.apply
     monkeypatch.setattr(
-        sw.SlidingWindowAttentionFunction, "apply", lambda *a: calls.append(1) or real(*a)
+        flash.FlashAttentionFunction, "apply", lambda *a: calls.append(a[6]) or real(*a)
     )
     return calls
 
@@ -239,17 +270,17 @@ def test_component_dispatch(monkeypatch):
     bias = DistanceBias(torch.tensor(alibi_slopes(4), device=DEVICE))
     layer = SlidingWindowAttention(SlidingWindowAttention.Options(window=4), CTX)
     out = layer.eval()(q, k, v, bias=bias, key_padding_mask=pad)
-    assert calls == [1]
+    assert calls == [4]
     want = sliding_window_attention(q, k, v, 4, bias=bias, key_padding_mask=pad)
     torch.testing.assert_close(out, want, atol=1e-5, rtol=0)
     layer.train()(q, k, v)
-    assert calls == [1, 1]
+    assert calls == [4, 4]
 
     dropping = SlidingWindowAttention(SlidingWindowAttention.Options(window=4, dropout=0.5), CTX)
     dropping.train()(q, k, v)
-    assert calls == [1, 1]
+    assert calls == [4, 4]
     dropping.eval()(q.bfloat16(), k.bfloat16(), v.bfloat16())
-    assert calls == [1, 1, 1] if CUDA else [1, 1]
+    assert calls == [4, 4, 4] if CUDA else [4, 4]
 
 
 def test_component_reference_path_without_interpreter_logs_once(monkeypatch, caplog):
@@ -259,7 +290,7 @@ def test_component_reference_path_without_interpreter_logs_once(monkeypatch, cap
     def boom(*args):
         raise AssertionError("the Triton kernel ran on CPU without the interpreter")
 
-    monkeypatch.setattr(sw.SlidingWindowAttentionFunction, "apply", boom)
+    monkeypatch.setattr(flash.FlashAttentionFunction, "apply", boom)
     q, k, v, _, _ = make_inputs(1, 4, 2, 7, 7, 8)
     layer = SlidingWindowAttention(SlidingWindowAttention.Options(window=3), CTX).eval()
     with caplog.at_level(logging.INFO, logger="llmkit.kernels"):
