@@ -14,7 +14,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from llmkit.errors import LlmkitError
+from llmkit.errors import LlmkitError, RegistryError
 
 EXIT_USER_ERROR = 2
 
@@ -83,17 +83,24 @@ def cmd_list(args: argparse.Namespace) -> int:
 def cmd_show(args: argparse.Namespace) -> int:
     reg = _registry()
     rec = reg.get(args.kind, args.name)
-    model = rec.options_model()
+    try:
+        model = rec.options_model()
+        factory = rec.load()
+    except Exception as exc:  # the plugin's module fails to import
+        raise RegistryError(
+            f"{rec.kind} {rec.name!r} from {rec.provider} failed to load: "
+            f"{type(exc).__name__}: {exc}"
+        ) from exc
     con = _console()
     con.print(f"[bold]{rec.kind} {rec.name}[/]: {rec.summary}")
     con.print(f"provider: {rec.provider} {rec.version}")
     con.print(f"target:   {rec.target_path}")
-    doc = (getattr(rec.load(), "__doc__", None) or "").strip()
+    doc = (getattr(factory, "__doc__", None) or "").strip()
     if doc:
         con.print(doc, markup=False)
     caps = ", ".join(f"{k}={v}" for k, v in rec.capabilities.items()) or "none declared"
     con.print(f"capabilities: {caps}", markup=False)
-    runtime = getattr(rec.load(), "runtime_backend", None)
+    runtime = getattr(factory, "runtime_backend", None)
     if callable(runtime):
         con.print(f"runtime: {runtime()}", markup=False)
     fields = model.model_fields
@@ -339,7 +346,10 @@ def cmd_validate(args: argparse.Namespace) -> int:
             failed += 1
             _console(stderr=True).print(f"[red]✗[/] {escape(str(exc))}", markup=True)
             continue
-        con.print(f"[green]✓[/] {path}: {len(rs.layers)} layers, valid")
+        # With --resolved, stdout carries only the JSON (pipeable); the verdict goes to stderr.
+        (_console(stderr=True) if args.resolved else con).print(
+            f"[green]✓[/] {path}: {len(rs.layers)} layers, valid"
+        )
         if args.resolved:
             con.print_json(json.dumps(rs.to_dict()))
     return EXIT_USER_ERROR if failed else 0

@@ -200,7 +200,7 @@ def prepare_data(
     key = data_key(
         rs.dataset.to_dict(), seed, fingerprint() if callable(fingerprint) else "", tokenizer
     )
-    cache_dir = Path(spec.data.cache_dir) if spec.data.cache_dir else run_dir / "data"
+    cache_dir = Path(spec.data.cache_dir).expanduser() if spec.data.cache_dir else run_dir / "data"
     cache_dir.mkdir(parents=True, exist_ok=True)
     files: dict[str, TokenFile] = {}
     for split in SPLITS:

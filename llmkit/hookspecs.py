@@ -25,8 +25,8 @@ def register_kinds(register: Callable[..., None]) -> None:
     Call ``register(name, summary, *, contract=None)`` once per kind: ``name`` is the kind's
     identifier used in specs and ``llmkit list``; ``summary`` one line for listings;
     ``contract`` an optional ``"module:attr"`` naming a base class or protocol that the kind's
-    components follow. Built-in kinds (attention, ffn, norm, position, optimizer, schedule)
-    are declared through this same hook by llmkit's built-in plugin.
+    components follow. Built-in kinds (attention, ffn, norm, position, optimizer, schedule,
+    dataset) are declared through this same hook by llmkit's built-in plugin.
     """
 
 

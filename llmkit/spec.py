@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import os
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -539,7 +540,23 @@ class _Resolver:
         return Resolved(kind, record, opts)
 
 
-def _check_requires(requires: Any, source: str | None) -> None:
+def _plugins_switched_off(distribution: str, registry: Any) -> list[str]:
+    """The llmkit plugins ``distribution`` provides when none of them is in ``registry``
+    (switched off by ``LLMKIT_PLUGINS``); empty when one is there or it provides none."""
+    import importlib.metadata as md
+
+    loaded = getattr(registry, "plugins", None)
+    if loaded is None:
+        return []
+    from llmkit.hookspecs import PROJECT
+
+    names = sorted(
+        ep.name for ep in md.distribution(distribution).entry_points if ep.group == PROJECT
+    )
+    return [] if any(n in loaded for n in names) else names
+
+
+def _check_requires(requires: Any, source: str | None, registry: Any = None) -> None:
     if not isinstance(requires, list):
         return
     import importlib.metadata as md
@@ -560,6 +577,13 @@ def _check_requires(requires: Any, source: str | None) -> None:
             continue
         if req.specifier and not req.specifier.contains(have, prereleases=True):
             problems.append(f"requires: {req} but {req.name} {have} is installed")
+            continue
+        off = _plugins_switched_off(req.name, registry)
+        if off:
+            problems.append(
+                f"requires: {req.name} is installed but its plugin {', '.join(off)} is not "
+                f"loaded: LLMKIT_PLUGINS={os.environ.get('LLMKIT_PLUGINS', '')!r} leaves it out"
+            )
     if problems:
         raise SpecError(problems, source)
 
@@ -572,7 +596,7 @@ def resolve(data: dict[str, Any], source: str | None = None, registry: Any = Non
         registry = get_registry()
     data = copy.deepcopy(data)
     data.pop("extends", None)
-    _check_requires(data.get("requires", []), source)
+    _check_requires(data.get("requires", []), source, registry)
     _default_names(data)
 
     problems: list[str] = []

@@ -42,14 +42,26 @@ def test_show_prints_options_provider_and_capabilities(capsys):
     assert code == 2 and "did you mean 'swiglu'" in err
 
 
+def test_show_names_a_component_whose_module_fails_to_import(capsys, monkeypatch):
+    from tests.test_conformance import fake_registry
+
+    reg = fake_registry({"kind": "norm", "name": "ghost", "target": "llmkit.no_such_module:Ghost"})
+    monkeypatch.setattr("llmkit.cli._registry", lambda: reg)
+    code, out, err = run(capsys, "show", "norm", "ghost")
+    assert code == 2 and not out
+    assert err.strip().count("\n") == 0 and "Traceback" not in err
+    assert "norm 'ghost' from llmkit-fake failed to load: ModuleNotFoundError" in err
+
+
 def test_plugins_lists_the_builtin_plugin(capsys):
     code, out, _ = run(capsys, "plugins", "-v")
     assert code == 0 and "builtin" in out and "attention.sdpa" in out
 
 
 def test_validate_good_and_bad(capsys, tmp_path):
-    code, out, _ = run(capsys, "validate", str(SPECS / "tiny.toml"), "--resolved")
-    assert code == 0 and '"layers"' in out
+    code, out, err = run(capsys, "validate", str(SPECS / "tiny.toml"), "--resolved")
+    assert code == 0 and "valid" in err
+    assert json.loads(out)["model"]["layers"]  # stdout is the JSON alone
     bad = tmp_path / "bad.toml"
     bad.write_text('[model]\nd_model = 8\nn_layers = 1\nn_heads = 2\nffn = { name = "mpl" }\n')
     code, _, err = run(capsys, "validate", str(bad))

@@ -119,6 +119,16 @@ def test_prepare_reuses_token_files(corpus: Path, tmp_path: Path, monkeypatch) -
     assert second.train.n_bytes_text == first.train.n_bytes_text
 
 
+def test_cache_dir_expands_the_home_directory(
+    corpus: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    prepared = prepare_data(make_rs([corpus], cache_dir="~/cache"), tmp_path / "run", log=quiet)
+    assert prepared.train.path.parent == tmp_path / "home" / "cache"
+    assert not (tmp_path / "~").exists()
+
+
 def test_prepare_key_changes_with_source_and_tokenizer(corpus: Path, tmp_path: Path) -> None:
     cache = str(tmp_path / "cache")
     a = prepare_data(make_rs([corpus], cache_dir=cache), tmp_path / "r1", log=quiet)

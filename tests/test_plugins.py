@@ -455,6 +455,17 @@ def test_requires_fails_first_naming_the_distribution(
     assert "swiglo" not in err  # checked before anything else is validated
 
 
+def test_requires_names_an_installed_plugin_that_is_switched_off(plugins_on, capsys, tmp_path):
+    plugins_on("losses")  # llmkit-extras is installed, but its plugin is not loaded
+    code, _, err = cli(capsys, "validate", str(_requiring(tmp_path, "llmkit-extras>=0.1")))
+    assert code == 2
+    assert (
+        "requires: llmkit-extras is installed but its plugin extras is not loaded: "
+        "LLMKIT_PLUGINS='losses' leaves it out"
+    ) in err
+    assert "unknown norm 'dyt'" not in err  # checked before the components
+
+
 # -- loading order ----------------------------------------------------------------------------
 
 
