@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_model, save_model
 from torch import nn
 
@@ -56,10 +57,37 @@ def save_weights(model: nn.Module, path: Path) -> None:
     os.replace(tmp, path)
 
 
+class DamagedCheckpoint(LlmkitError):
+    """A checkpoint file that cannot be read: truncated, overwritten or not its format."""
+
+
+def _why(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+
+
 def load_weights(model: nn.Module, path: Path) -> None:
+    """Load a safetensors file into ``model``: :class:`DamagedCheckpoint` when the file cannot
+    be read, :class:`LlmkitError` when its tensors do not fit the model."""
     if not path.is_file():
         raise LlmkitError(f"no weights at {path}")
-    missing, unexpected = load_model(model, str(path), strict=False)
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118
+    except Exception as exc:
+        raise DamagedCheckpoint(f"{path}: unreadable weights ({_why(exc)})") from exc
+    own = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    wrong = [k for k in shapes if k in own and shapes[k] != own[k]]
+    if wrong:
+        k = wrong[0]
+        raise LlmkitError(
+            f"{path}: weights do not match the model ({len(wrong)} tensors differ, e.g. {k} is "
+            f"{shapes[k]} in the file and {own[k]} in the model)"
+        )
+    try:
+        missing, unexpected = load_model(model, str(path), strict=False)
+    except Exception as exc:
+        raise DamagedCheckpoint(f"{path}: unreadable weights ({_why(exc)})") from exc
     if missing or unexpected:
         raise LlmkitError(
             f"{path}: weights do not match the model (missing {sorted(missing)[:3]}, "
@@ -157,21 +185,37 @@ class Checkpoints:
         return final
 
     def _pointer(self, which: str) -> Path | None:
+        """The directory ``<which>.json`` names; None when it is missing, damaged or names a
+        directory that is gone."""
         path = self.dir / f"{which}.json"
-        if not path.is_file():
+        try:
+            target = self.dir / str(json.loads(path.read_text())["dir"])
+        except (OSError, ValueError, KeyError, TypeError):
             return None
-        target = self.dir / json.loads(path.read_text())["dir"]
         return target if target.is_dir() else None
 
+    def steps(self) -> list[Path]:
+        """Every checkpoint directory, oldest first (each complete: renamed in only when
+        written)."""
+        return sorted(p for p in self.dir.glob("step-*") if p.is_dir())
+
     def latest(self) -> Path | None:
-        return self._pointer("latest")
+        """What ``latest.json`` names, or the newest checkpoint when the pointer is damaged."""
+        steps = self.steps()
+        return self._pointer("latest") or (steps[-1] if steps else None)
 
     def best(self) -> Path | None:
         return self._pointer("best")
 
+    def newest_first(self) -> list[Path]:
+        """Checkpoints to resume from, in order of preference: the latest, then the older ones."""
+        latest = self.latest()
+        older = [p for p in reversed(self.steps()) if p != latest]
+        return ([latest] if latest is not None else []) + older
+
     def _prune(self) -> None:
         keep = {p.name for p in (self.latest(), self.best()) if p is not None}
-        steps = sorted(p for p in self.dir.glob("step-*") if p.is_dir())
+        steps = self.steps()
         keep.update(p.name for p in steps[-self.keep :])
         for p in steps:
             if p.name not in keep:
@@ -189,5 +233,8 @@ def load_state(ckpt_dir: Path) -> dict[str, Any]:
     """The trainer state of a checkpoint, loaded without executing pickled code."""
     path = ckpt_dir / STATE
     if not path.is_file():
-        raise LlmkitError(f"checkpoint {ckpt_dir} has no {STATE}")
-    return torch.load(path, map_location="cpu", weights_only=True)
+        raise DamagedCheckpoint(f"checkpoint {ckpt_dir} has no {STATE}")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise DamagedCheckpoint(f"{path}: unreadable trainer state ({_why(exc)})") from exc

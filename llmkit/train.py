@@ -21,6 +21,7 @@ from llmkit import distributed, hardware
 from llmkit.checkpoint import (
     SHARDS,
     Checkpoints,
+    DamagedCheckpoint,
     load_state,
     load_weights,
     rank_file,
@@ -65,16 +66,29 @@ class MetricsLog:
         self.path = path
 
     def truncate_after(self, step: int) -> None:
-        """Drop lines past ``step`` (written after the checkpoint a run resumes from)."""
+        """Drop lines past ``step`` (written after the checkpoint a run resumes from), and any
+        line that is not a JSON object; the file is replaced atomically."""
         if not self.path.is_file():
             return
         keep = [line for line in self.read() if line.get("step", 0) <= step]
-        self.path.write_text("".join(json.dumps(line) + "\n" for line in keep))
+        tmp = self.path.with_name(f".{self.path.name}.tmp")
+        tmp.write_text("".join(json.dumps(line) + "\n" for line in keep))
+        os.replace(tmp, self.path)
 
     def read(self) -> list[dict[str, Any]]:
+        """Every record; a line that does not parse (a crash can leave the last one half
+        written) is skipped."""
         if not self.path.is_file():
             return []
-        return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+        records = []
+        for line in self.path.read_text(encoding="utf-8", errors="replace").splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(record, dict):
+                records.append(record)
+        return records
 
     def write(self, record: dict[str, Any]) -> None:
         with self.path.open("a") as fh:
@@ -124,6 +138,7 @@ class Trainer:
         run_dir: Path,
         *,
         resume: bool = False,
+        edited: bool = False,
         max_time: float | None = None,
         log: Callable[[str], None] = print,
         progress: bool | None = None,
@@ -132,6 +147,7 @@ class Trainer:
         self.rs = rs
         self.run_dir = Path(run_dir)
         self.resume = resume
+        self.edited = edited  # resumed with --set: rs replaces the run's spec once restored
         self.t = rs.spec.train
         self.max_time = max_time if max_time is not None else self.t.max_time
         self.dist = dist
@@ -221,11 +237,25 @@ class Trainer:
         self.peak = peak * dist.world_size if peak else peak
         if self.resume:
             self._restore()  # last: it sets the RNG state
+            if self.edited and dist.is_main:
+                save_spec(self.rs, self.run_dir)  # the edited recipe is the run's from now on
 
     def _restore(self) -> None:
-        latest = self.checkpoints.latest()
-        if latest is None:
+        """Resume from the latest checkpoint, or from the newest older one that is intact when
+        a file of the latest cannot be read."""
+        candidates = self.checkpoints.newest_first()
+        if not candidates:
             raise LlmkitError(f"{self.run_dir}: no checkpoint to resume from")
+        for i, ckpt in enumerate(candidates):
+            try:
+                self._restore_from(ckpt)
+                return
+            except DamagedCheckpoint as exc:
+                if i + 1 == len(candidates):
+                    raise
+                self.log(f"warning: {exc}; resuming from {candidates[i + 1].name} instead")
+
+    def _restore_from(self, latest: Path) -> None:
         state = load_state(latest)
         # Hyperparameters come from the (possibly edited) spec, the moments from the run.
         fresh = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
@@ -237,11 +267,22 @@ class Trainer:
             )
         else:
             load_weights(self.model, latest / "model.safetensors")
-            self.optimizer.load_state_dict(state["optimizer"])
+            try:
+                self.optimizer.load_state_dict(state["optimizer"])
+            except (ValueError, KeyError, TypeError, RuntimeError) as exc:
+                raise LlmkitError(
+                    f"{latest}: the saved optimizer state does not fit this optimizer ({exc}); "
+                    "a resumed run keeps its optimizer and model"
+                ) from exc
         for group, hyper in zip(self.optimizer.param_groups, fresh, strict=True):
             group.update(hyper)
         self.sampler.load_state_dict(state["data"])
         self.step, self.tokens = int(state["step"]), int(state["tokens"])
+        if self.t.max_steps < self.step:
+            raise LlmkitError(
+                f"{latest.name}: the run is at step {self.step} and train.max_steps is "
+                f"{self.t.max_steps}; raise it (--max-steps N) to train further"
+            )
         self.elapsed = float(state["elapsed"])
         self.best_val = state.get("best_val")
         self.bad_evals = int(state.get("bad_evals", 0))
@@ -620,9 +661,26 @@ def train(
     t = rs.spec.train
     dist = distributed.setup(t.parallel, t.device, t.dist_timeout)
     rd = Path(dist.broadcast(str(rd)))  # rank 0's (time-stamped) choice for everyone
-    if resume and overrides and dist.is_main:
-        save_spec(rs, rd)  # the edited recipe is the run's from now on
+    if resume and overrides:
+        _check_same_optimizer(load_spec(rd / SPEC_FILE), rs)
     trainer = Trainer(
-        rs, rd, resume=resume, max_time=max_time, log=log, progress=progress, dist=dist
+        rs,
+        rd,
+        resume=resume,
+        edited=bool(resume and overrides),
+        max_time=max_time,
+        log=log,
+        progress=progress,
+        dist=dist,
     )
     return trainer.fit()
+
+
+def _check_same_optimizer(saved: ResolvedSpec, edited: ResolvedSpec) -> None:
+    """``--set`` on resume may change hyperparameters, not the optimizer whose state it loads."""
+    before, after = saved.optimizer.record.name, edited.optimizer.record.name
+    if before != after:
+        raise LlmkitError(
+            f"the run was trained with optimizer {before!r}; resuming it with {after!r} cannot "
+            "load its state (start a new run, or keep the optimizer)"
+        )

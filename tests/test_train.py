@@ -131,6 +131,51 @@ def test_a_crash_during_a_save_leaves_latest_intact(tmp_path, monkeypatch):
     assert ckpts.latest() == good and (good / "state.pt").is_file()
 
 
+@pytest.fixture
+def trained(tmp_path: Path) -> Path:
+    """A finished 4-step run with checkpoints at steps 2 and 4."""
+    run = tmp_path / "run"
+    spec = write_spec(tmp_path, max_steps=4, eval_interval=2)
+    train(spec, run_dir=run, log=lambda _m: None, progress=False)
+    assert [p.name for p in Checkpoints(run).newest_first()] == ["step-000004", "step-000002"]
+    return run
+
+
+def _resume(run: Path, *overrides: str, log=lambda _m: None):
+    return train(run_dir=run, resume=True, overrides=list(overrides), log=log, progress=False)
+
+
+def test_resume_falls_back_from_a_damaged_checkpoint(trained):
+    weights = trained / "checkpoints" / "step-000004" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])  # a truncated file
+    with (trained / "metrics.jsonl").open("a") as fh:
+        fh.write('{"step": 5, "lo')  # and a half-written metrics line
+    logs: list[str] = []
+    result = _resume(trained, "train.max_steps=6", log=logs.append)
+    assert result.step == 6
+    assert any("unreadable weights" in m and "resuming from step-000002" in m for m in logs)
+    assert [m["step"] for m in read_metrics(trained) if "loss" in m] == [1, 2, 3, 4, 5, 6]
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("model.d_model=64", "weights do not match the model"),
+        ('model.ffn={name="swiglu"}', "weights do not match the model"),
+        ("optimizer.name=adafactor", "trained with optimizer 'adamw'"),
+        ("train.max_steps=3", "at step 4 and train.max_steps is 3"),
+    ],
+)
+def test_a_resume_that_cannot_continue_leaves_the_run_as_it_was(trained, override, message):
+    spec = (trained / "spec.yaml").read_text()
+    latest = (trained / "checkpoints" / "latest.json").read_text()
+    with pytest.raises(LlmkitError, match=message):
+        _resume(trained, "train.max_steps=6", override)
+    assert (trained / "spec.yaml").read_text() == spec
+    assert (trained / "checkpoints" / "latest.json").read_text() == latest
+    assert _resume(trained, "train.max_steps=5").step == 5  # and it still resumes
+
+
 def _cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "llmkit.cli", *args]
 
