@@ -261,6 +261,15 @@ def build(entry: Entry, ctx: BuildContext, device: str, dtype: torch.dtype) -> t
     return module.to(device=device, dtype=dtype)
 
 
+def _option_problems(exc: BaseException) -> str:
+    """A pydantic error as ``key: message`` pairs on one line; others as :func:`_one_line`."""
+    from pydantic import ValidationError
+
+    if isinstance(exc, ValidationError):
+        return "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+    return _one_line(exc)
+
+
 def _one_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")
@@ -981,7 +990,18 @@ def run_cli(args: Any) -> int:
         raise LlmkitError(f"--option: no {kind} component {unknown[0]!r} in this benchmark")
     if not entry_list:
         raise LlmkitError(f"no registered {kind} components")
+    for e in entry_list:  # options the user gave must validate (defaults may skip a case)
+        if e.label in options:
+            try:
+                e.record.parse_options(e.options)
+            except Exception as exc:
+                raise LlmkitError(f"--option {e.label}: {_option_problems(exc)}") from exc
     baseline = args.baseline if args.baseline is not None else BASELINES.get(kind)
+    if args.baseline is not None and baseline not in {e.label for e in entry_list}:
+        raise LlmkitError(
+            f"--baseline {baseline!r} is not among the benchmarked {kind} components "
+            f"({', '.join(e.label for e in entry_list)})"
+        )
     if args.quick:
         sizes = sizes or (QUICK["seq_lens"] if kind == "attention" else QUICK["tokens"])
         head_dims = head_dims or QUICK["head_dims"]

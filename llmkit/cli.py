@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -885,8 +886,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("info", cmd_info, "per-layer architecture, parameters, FLOPs and memory")
     p.add_argument("spec")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="dotted override")
-    p.add_argument("--batch-size", type=int, default=8, help="batch for the memory estimate")
-    p.add_argument("--seq-len", type=int, default=None, help="default: max_seq_len")
+    p.add_argument(
+        "--batch-size", type=_at_least(1), default=8, help="batch for the memory estimate"
+    )
+    p.add_argument("--seq-len", type=_at_least(1), default=None, help="default: max_seq_len")
     p.add_argument("--json", action="store_true", help="also print the numbers as JSON")
 
     p = add("train", cmd_train, "train a model from a spec, or resume a run")
@@ -894,8 +897,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="run directory (default runs/<name>-<time>)")
     p.add_argument("--resume", action="store_true", help="continue the run in --out / RUN")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="dotted override")
-    p.add_argument("--max-steps", type=int, help="optimizer steps (sets train.max_steps)")
-    p.add_argument("--max-time", type=float, help="stop after this many seconds")
+    p.add_argument("--max-steps", type=_at_least(1), help="optimizer steps (sets train.max_steps)")
+    p.add_argument("--max-time", type=_seconds, help="stop after this many seconds")
     p.add_argument("--no-sample", action="store_true", help="skip the sample at the end")
     p.add_argument(
         "--progress",
@@ -908,7 +911,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run", help="run directory or checkpoint directory")
     p.add_argument("--data", help="a text file (default: the run's validation split)")
     p.add_argument("--weights", choices=["final", "best", "latest"], default="final")
-    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--batch-size", type=_at_least(1), default=8)
     p.add_argument("--device", default="auto")
     p.add_argument(
         "--quantize",
@@ -947,7 +950,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--stop", action="append", metavar="TEXT", help="stop at this text (repeatable; \\n ok)"
     )
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at the EOS token")
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--seed", type=_seed, default=None)
     p.add_argument("--stream", action="store_true", help="print tokens as they are generated")
     p.add_argument(
         "--interactive", action="store_true", help="read prompts from stdin until EOF or `exit`"
@@ -977,7 +980,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--quantize", choices=["int8"])
     p.add_argument("--device", default="cpu", help="cpu (default), cuda, mps or auto")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--threads", type=_at_least(1), default=None, help="torch CPU threads")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override (spec file)")
     p.add_argument("--weights", choices=["final", "best", "latest"], default="final")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
@@ -1014,10 +1017,44 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--repeats", type=int, default=5, help="timed repeats (median; default 5)")
     p.add_argument("--warmup", type=int, default=2, help="untimed calls first (default 2)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--threads", type=_at_least(1), default=None, help="torch CPU threads")
     p.add_argument("--quick", action="store_true", help="tiny shapes: a few seconds in all")
     p.add_argument("--out", default="bench-kernels", help="where JSON and PNG go")
     return parser
+
+
+def _at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse type: an integer ≥ ``minimum``."""
+
+    def integer(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be ≥ {minimum}, got {value}")
+        return value
+
+    return integer
+
+
+def _seconds(text: str) -> float:
+    """An argparse type: a finite number of seconds > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
+def _seed(text: str) -> int:
+    """An argparse type: a seed in [0, 2⁶³)."""
+    value = _at_least(0)(text)
+    if value >= 2**63:
+        raise argparse.ArgumentTypeError(f"must be < 2**63, got {value}")
+    return value
 
 
 def _version() -> str:
@@ -1038,6 +1075,14 @@ def _log_to_stderr() -> None:
         logger.setLevel(logging.INFO)
 
 
+def _error(message: str) -> int:
+    """Print a user error as one line (naming the rank in a multi-process run)."""
+    multi = os.environ.get("WORLD_SIZE", "1") not in ("", "1")
+    where = f"[rank {os.environ.get('RANK', '?')}] " if multi else ""
+    print(f"error: {where}{message}", file=sys.stderr)
+    return EXIT_USER_ERROR
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -1050,10 +1095,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     except LlmkitError as exc:
         if args.debug:
             raise
-        multi = os.environ.get("WORLD_SIZE", "1") not in ("", "1")
-        where = f"[rank {os.environ.get('RANK', '?')}] " if multi else ""
-        print(f"error: {where}{exc}", file=sys.stderr)
-        code = EXIT_USER_ERROR
+        code = _error(str(exc))
+    except BrokenPipeError:
+        # The reader went away (`llmkit generate … | head`): stop quietly, as Unix tools do.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        code = 141
+    except OSError as exc:  # a path that cannot be used, a full disk, a permission
+        if args.debug:
+            raise
+        where = f": {exc.filename}" if exc.filename else ""
+        code = _error(f"{exc.strerror or exc}{where}")
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         code = 130

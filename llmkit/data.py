@@ -360,7 +360,9 @@ def _blocks(array: np.ndarray, starts: np.ndarray, block_size: int) -> tuple[Any
     return block[:, :-1].contiguous(), block[:, 1:].contiguous()
 
 
-def _n_blocks(n_tokens: int, block_size: int, what: str) -> int:
+def count_blocks(n_tokens: int, block_size: int, what: str) -> int:
+    """Whole blocks of ``block_size`` (+1 target) tokens in ``n_tokens``; an error naming
+    ``what`` when there is not even one."""
     if block_size < 1:
         raise LlmkitError(f"block_size must be positive, got {block_size}")
     if n_tokens < block_size + 1:
@@ -392,7 +394,7 @@ class _Sampler:
         self.seed = seed
         self.rank = rank
         self.world_size = world_size
-        self.n_blocks = _n_blocks(len(data), block_size, f"{name} split")
+        self.n_blocks = count_blocks(len(data), block_size, f"{name} split")
         self._start(name)
 
     def _start(self, name: str) -> None:
@@ -536,7 +538,7 @@ def eval_batches(
     """``n_batches`` batches of blocks evenly spaced over the file — the same blocks every
     time. A file with fewer blocks gives each block once (the last batch may be short)."""
     array = _as_array(token_file)
-    avail = _n_blocks(len(array), block_size, "validation split")
+    avail = count_blocks(len(array), block_size, "validation split")
     want = batch_size * n_batches
     if avail <= want:
         blocks = np.arange(avail)

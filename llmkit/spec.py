@@ -168,7 +168,7 @@ class TrainSpec(Strict):
     activation_checkpointing: bool = Field(
         False, description="Recompute each block's activations in backward."
     )
-    seed: int = Field(1337, description="Seeds init, data order and dropout.")
+    seed: int = Field(1337, ge=0, lt=2**63, description="Seeds init, data order and dropout.")
     eval_interval: int = Field(250, gt=0, description="Evaluate every N steps (and at the end).")
     eval_batches: int = Field(20, gt=0, description="Validation batches per evaluation.")
     log_interval: int = Field(10, gt=0, description="Write a metrics line every N steps.")
@@ -293,7 +293,10 @@ def read_spec_file(path: str | Path) -> dict[str, Any]:
     p = Path(path)
     if not p.is_file():
         raise LlmkitError(f"spec file not found: {p}")
-    text = p.read_text(encoding="utf-8")
+    try:
+        text = p.read_text(encoding="utf-8-sig")  # a byte-order mark is allowed
+    except UnicodeDecodeError as exc:
+        raise LlmkitError(f"{p}: not UTF-8 text (byte {exc.start}: {exc.reason})") from exc
     suffix = p.suffix.lower()
     try:
         if suffix == ".toml":
@@ -645,6 +648,11 @@ def resolve(data: dict[str, Any], source: str | None = None, registry: Any = Non
             problems += _compatibility(plan, base["position"], j)
             layers.append(plan)
         problems += _dimension_checks(spec.model, layers)
+        block = spec.data.block_size
+        if block is not None and block > spec.model.max_seq_len:
+            problems.append(
+                f"data.block_size: {block} exceeds model.max_seq_len ({spec.model.max_seq_len})"
+            )
     if problems:
         raise SpecError(problems, source)
     assert spec is not None

@@ -157,7 +157,7 @@ class Trainer:
 
     # -- set-up ------------------------------------------------------------------------------
     def _setup(self) -> None:
-        from llmkit.data import make_sampler, prepare_data
+        from llmkit.data import count_blocks, make_sampler, prepare_data
         from llmkit.model import build_model
 
         t = self.t
@@ -204,6 +204,9 @@ class Trainer:
             rank=dist.rank,
             world_size=dist.world_size,
         )
+
+        # Evaluation needs one validation block: fail now, not after the first eval_interval.
+        count_blocks(len(data.validation), self.block_size, "validation split")
 
         torch.manual_seed(t.seed)  # the same initial weights on every rank
         self.model = build_model(self.rs).to(self.device)
@@ -657,6 +660,12 @@ def train(
         if (rd / "checkpoints").exists():
             raise LlmkitError(
                 f"{rd} already holds a run; resume it with --resume {rd} or choose another --out"
+            )
+        if rd.exists() and (not rd.is_dir() or any(rd.iterdir())):
+            raise LlmkitError(
+                f"{rd} exists and is not an empty directory; training would overwrite its "
+                "files (a run that stopped before its first checkpoint leaves such a directory): "
+                "remove it or choose another --out"
             )
     t = rs.spec.train
     dist = distributed.setup(t.parallel, t.device, t.dist_timeout)

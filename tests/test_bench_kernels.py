@@ -264,6 +264,13 @@ def run(capsys, *argv):
         (["--option", "window=3"], "NAME.KEY=VALUE"),
         (["--option", "nope.window=3"], "nope"),
         (["--repeats", "0"], "--repeats"),
+        (
+            ["--components", "sliding_window", "--option", "sliding_window.window=0"],
+            "--option sliding_window: window: Input should be greater than or equal to 1",
+        ),
+        (["--option", "sdpa.windw=4"], "--option sdpa: windw: Extra inputs are not permitted"),
+        (["--option", "sdpa.dropout=abc"], "--option sdpa: dropout:"),
+        (["--baseline", "nope"], "--baseline 'nope' is not among the benchmarked"),
     ],
 )
 def test_cli_bad_input_is_a_one_line_error(capsys, tmp_path, argv, message):

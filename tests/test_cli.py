@@ -53,6 +53,51 @@ def test_show_names_a_component_whose_module_fails_to_import(capsys, monkeypatch
     assert "norm 'ghost' from llmkit-fake failed to load: ModuleNotFoundError" in err
 
 
+def test_unusable_paths_are_one_line_errors(capsys, tmp_path):
+    code, _, err = run(capsys, "schema", "-o", str(tmp_path))
+    assert code == 2 and err == f"error: Is a directory: {tmp_path}\n"
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    code, _, err = run(capsys, "schema", "-o", str(afile / "x.json"))
+    assert code == 2 and err == f"error: Not a directory: {afile / 'x.json'}\n"
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["eval", "RUN", "--batch-size", "0"],
+        ["eval", "RUN", "--batch-size", "-1"],
+        ["generate", "RUN", "--seed", "-1"],
+        ["generate", "RUN", "--seed", str(2**64)],
+        ["train", "SPEC", "--max-time", "0"],
+        ["train", "SPEC", "--max-time", "nan"],
+        ["train", "SPEC", "--max-steps", "0"],
+        ["info", "SPEC", "--seq-len", "-5"],
+        ["bench", "kernels", "--threads", "-2"],
+        ["bench", "generate", "RUN", "--threads", "0"],
+    ],
+    ids=" ".join,
+)
+def test_out_of_range_arguments_are_refused_before_anything_runs(capsys, argv):
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    assert "must be" in capsys.readouterr().err
+
+
+def test_a_closed_pipe_ends_quietly(tmp_path):
+    """`llmkit … | head -c1`: no BrokenPipeError traceback."""
+    proc = subprocess.run(
+        f"{sys.executable} -m llmkit.cli schema | head -c1",
+        shell=True,
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=120,
+    )
+    assert proc.stdout == "{" and "Traceback" not in proc.stderr and "Error" not in proc.stderr
+
+
 def test_plugins_lists_the_builtin_plugin(capsys):
     code, out, _ = run(capsys, "plugins", "-v")
     assert code == 0 and "builtin" in out and "attention.sdpa" in out

@@ -286,6 +286,26 @@ def test_requires_names_missing_or_old_distributions():
     assert load_spec_dict(spec)
 
 
+def test_training_values_checked_before_any_run():
+    spec = tiny_spec()
+    spec["data"] = {"block_size": spec["model"]["max_seq_len"] + 1}
+    with pytest.raises(SpecError, match=r"data\.block_size: 33 exceeds model\.max_seq_len \(32\)"):
+        load_spec_dict(spec)
+    for seed in (-1, 2**63):
+        spec = tiny_spec()
+        spec["train"] = {"seed": seed}
+        with pytest.raises(SpecError, match=r"train\.seed"):
+            load_spec_dict(spec)
+
+
+def test_spec_text_encoding(tmp_path):
+    with pytest.raises(LlmkitError, match="not UTF-8 text"):
+        (tmp_path / "x.toml").write_bytes(b"\xff\xfe bad")
+        load_spec(tmp_path / "x.toml")
+    bom = "\ufeff" + 'name = "bom"\n[model]\nd_model = 8\nn_layers = 1\nn_heads = 2\n'
+    assert load_spec(write(tmp_path, "y.toml", bom)).spec.name == "bom"
+
+
 def test_bad_files(tmp_path):
     with pytest.raises(LlmkitError, match="spec file not found"):
         load_spec(tmp_path / "missing.toml")

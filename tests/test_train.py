@@ -373,6 +373,29 @@ def test_fp16_is_refused_on_cpu(tmp_path):
         train(spec, run_dir=tmp_path / "run", **_quiet())
 
 
+def test_a_validation_split_shorter_than_a_block_fails_before_training(tmp_path):
+    run = tmp_path / "run"
+    with pytest.raises(LlmkitError, match="validation split: corpus shorter than one block"):
+        train(
+            write_spec(tmp_path),
+            run_dir=run,
+            overrides=["data.source.val_fraction=0.002"],  # ≈ 19 tokens < block_size + 1
+            **_quiet(),
+        )
+    assert not (run / "metrics.jsonl").exists() and not (run / "checkpoints").exists()
+
+
+def test_refuses_a_non_empty_directory_that_is_not_a_run(tmp_path):
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "spec.yaml").write_text("my notes\n")
+    with pytest.raises(LlmkitError, match="not an empty directory"):
+        train(write_spec(tmp_path), run_dir=out, **_quiet())
+    assert (out / "spec.yaml").read_text() == "my notes\n"
+    with pytest.raises(LlmkitError, match="not an empty directory"):
+        train(write_spec(tmp_path), run_dir=out / "spec.yaml", **_quiet())
+
+
 def test_data_errors_are_clear(tmp_path):
     spec = write_spec(tmp_path, max_steps=3)
     with pytest.raises(LlmkitError, match="nope"):
