@@ -665,7 +665,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
         path = Path(args.data)
         if not path.is_file():
             raise LlmkitError(f"--data: file not found: {path}")
-        text = path.read_text(encoding="utf-8", errors="replace")
+        from llmkit.components.dataset import read_utf8
+
+        text = read_utf8(path)
         if not text:
             raise LlmkitError(f"--data: {path} is empty")
         tokens = torch.tensor(run.tokenizer.encode(text), dtype=torch.long)

@@ -16,7 +16,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from llmkit.errors import LlmkitError, RegistryError, SpecError
 
@@ -127,6 +134,15 @@ class TokenizerSpec(Strict):
     train_bytes: int | None = Field(
         20_000_000, gt=0, description="Train the tokenizer on at most this much text."
     )
+
+    @field_validator("special_tokens")
+    @classmethod
+    def _distinct_tokens(cls, tokens: list[str]) -> list[str]:
+        if any(not t for t in tokens):
+            raise ValueError("a special token cannot be empty")
+        if len(set(tokens)) != len(tokens):
+            raise ValueError(f"special tokens must be distinct, got {tokens}")
+        return tokens
 
 
 class DataSpec(Strict):

@@ -298,6 +298,14 @@ def test_training_values_checked_before_any_run():
             load_spec_dict(spec)
 
 
+@pytest.mark.parametrize("tokens", [[""], ["a", "a"]])
+def test_special_tokens_are_non_empty_and_distinct(tokens):
+    spec = tiny_spec()
+    spec["tokenizer"] = {"special_tokens": tokens}
+    with pytest.raises(SpecError, match=r"tokenizer\.special_tokens"):
+        load_spec_dict(spec)
+
+
 def test_spec_text_encoding(tmp_path):
     with pytest.raises(LlmkitError, match="not UTF-8 text"):
         (tmp_path / "x.toml").write_bytes(b"\xff\xfe bad")

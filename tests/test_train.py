@@ -271,6 +271,16 @@ def test_cli_eval_and_generate(tmp_path):
         timeout=600,
     )
     assert proc.returncode == 0 and "bits/byte" in proc.stdout, proc.stderr
+    other.write_bytes(b"\xff\xfe\x00binary")
+    proc = subprocess.run(
+        _cli("eval", str(run), "--data", str(other)),
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 2 and "not UTF-8 text" in proc.stderr, proc.stderr
     proc = subprocess.run(
         _cli("generate", str(run), "--prompt", "First", "--max-new-tokens", "15", "--seed", "1"),
         env=env,
