@@ -347,6 +347,15 @@ def cmd_validate(args: argparse.Namespace) -> int:
             failed += 1
             _console(stderr=True).print(f"[red]✗[/] {escape(str(exc))}", markup=True)
             continue
+        try:  # what only the components know (e.g. RoPE's even rotary dims): build, on meta
+            _build_on_meta(rs)
+        except LlmkitError as exc:
+            failed += 1
+            _console(stderr=True).print(
+                f"[red]✗[/] {escape(str(path))}: the model does not build: {escape(str(exc))}",
+                markup=True,
+            )
+            continue
         # With --resolved, stdout carries only the JSON (pipeable); the verdict goes to stderr.
         (_console(stderr=True) if args.resolved else con).print(
             f"[green]✓[/] {path}: {len(rs.layers)} layers, valid"
@@ -387,10 +396,7 @@ def _bytes(n: float) -> str:
 
 def cmd_info(args: argparse.Namespace) -> int:
     rs = _load(args.spec, args.set)
-    from llmkit.model import build_model
-
-    with _meta_device():
-        model = build_model(rs)
+    model = _build_on_meta(rs)
     m = rs.model
     con = _console()
     con.print(f"[bold]{rs.spec.name or args.spec}[/]")
@@ -459,10 +465,14 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
-def _meta_device() -> Any:
+def _build_on_meta(rs: Any) -> Any:
+    """The spec's model with parameters on the meta device: shapes only, no memory."""
     import torch
 
-    return torch.device("meta")
+    from llmkit.model import build_model
+
+    with torch.device("meta"):
+        return build_model(rs)
 
 
 def _ref(res: Any) -> str:

@@ -113,6 +113,12 @@ def test_validate_good_and_bad(capsys, tmp_path):
     assert code == 2 and "model.ffn.name" in err and "did you mean 'mlp'" in err
 
 
+def test_validate_builds_the_model_to_find_what_only_components_know(capsys):
+    code, _, err = run(capsys, "validate", str(SPECS / "tiny.toml"), "--set", "model.head_dim=7")
+    assert code == 2
+    assert "the model does not build: position 'rope'" in err and "rot_dim 7" in err
+
+
 def test_info_reports_gpt2_small_exactly(capsys):
     code, out, _ = run(capsys, "info", str(SPECS / "gpt2-small.toml"), "--json")
     assert code == 0
