@@ -66,16 +66,16 @@ def _why(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
 
 
+def _unreadable(exc: Exception) -> bool:
+    """True for a file whose bytes are not its format; False for a failing disk, memory or
+    file system (OSError, MemoryError), which must not make a run drop a good checkpoint."""
+    return not isinstance(exc, OSError | MemoryError)
+
+
 def load_weights(model: nn.Module, path: Path) -> None:
     """Load a safetensors file into ``model``: :class:`DamagedCheckpoint` when the file cannot
     be read, :class:`LlmkitError` when its tensors do not fit the model."""
-    if not path.is_file():
-        raise LlmkitError(f"no weights at {path}")
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118
-    except Exception as exc:
-        raise DamagedCheckpoint(f"{path}: unreadable weights ({_why(exc)})") from exc
+    shapes = weight_shapes(path)
     own = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     wrong = [k for k in shapes if k in own and shapes[k] != own[k]]
     if wrong:
@@ -87,12 +87,27 @@ def load_weights(model: nn.Module, path: Path) -> None:
     try:
         missing, unexpected = load_model(model, str(path), strict=False)
     except Exception as exc:
+        if not _unreadable(exc):
+            raise
         raise DamagedCheckpoint(f"{path}: unreadable weights ({_why(exc)})") from exc
     if missing or unexpected:
         raise LlmkitError(
             f"{path}: weights do not match the model (missing {sorted(missing)[:3]}, "
             f"unexpected {sorted(unexpected)[:3]})"
         )
+
+
+def weight_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """Tensor shapes from a safetensors file's header (reads no tensor data)."""
+    if not path.is_file():
+        raise DamagedCheckpoint(f"no weights at {path}")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118
+    except Exception as exc:
+        if not _unreadable(exc):
+            raise
+        raise DamagedCheckpoint(f"{path}: unreadable weights ({_why(exc)})") from exc
 
 
 def rng_state() -> dict[str, Any]:
@@ -189,9 +204,12 @@ class Checkpoints:
         directory that is gone."""
         path = self.dir / f"{which}.json"
         try:
-            target = self.dir / str(json.loads(path.read_text())["dir"])
+            name = json.loads(path.read_text())["dir"]
         except (OSError, ValueError, KeyError, TypeError):
             return None
+        if not isinstance(name, str) or not name.startswith("step-") or "/" in name:
+            return None
+        target = self.dir / name
         return target if target.is_dir() else None
 
     def steps(self) -> list[Path]:
@@ -234,7 +252,15 @@ def load_state(ckpt_dir: Path) -> dict[str, Any]:
     path = ckpt_dir / STATE
     if not path.is_file():
         raise DamagedCheckpoint(f"checkpoint {ckpt_dir} has no {STATE}")
+    return load_tensors(path, "trainer state")
+
+
+def load_tensors(path: Path, what: str) -> Any:
+    """A ``torch.save`` file loaded without executing pickled code; :class:`DamagedCheckpoint`
+    when its bytes are not such a file."""
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:
-        raise DamagedCheckpoint(f"{path}: unreadable trainer state ({_why(exc)})") from exc
+        if not _unreadable(exc):
+            raise
+        raise DamagedCheckpoint(f"{path}: unreadable {what} ({_why(exc)})") from exc

@@ -1108,10 +1108,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.debug:
             raise
         code = _error(str(exc))
-    except BrokenPipeError:
-        # The reader went away (`llmkit generate … | head`): stop quietly, as Unix tools do.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        code = 141
+    except BrokenPipeError as exc:
+        if args.debug or args.command == "train":  # training writes no pipe of its own
+            if args.debug:
+                raise
+            code = _error(f"broken pipe: {exc}")
+        else:
+            # The reader went away (`llmkit generate … | head`): stop quietly, as Unix tools do.
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            code = 141
     except OSError as exc:  # a path that cannot be used, a full disk, a permission
         if args.debug:
             raise

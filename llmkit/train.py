@@ -20,17 +20,27 @@ import torch
 from llmkit import distributed, hardware
 from llmkit.checkpoint import (
     SHARDS,
+    WEIGHTS,
     Checkpoints,
     DamagedCheckpoint,
     load_state,
+    load_tensors,
     load_weights,
     rank_file,
     rng_state,
     set_rng_state,
+    weight_shapes,
 )
 from llmkit.errors import LlmkitError
 from llmkit.optim import set_lr_factor
-from llmkit.run import METRICS_FILE, PLOT_FILE, SPEC_FILE, save_spec
+from llmkit.run import (
+    METRICS_FILE,
+    PLOT_FILE,
+    RESOLVED_FILE,
+    SPEC_FILE,
+    TOKENIZER_FILE,
+    save_spec,
+)
 from llmkit.spec import ResolvedSpec, load_spec, load_spec_dict
 
 
@@ -250,16 +260,37 @@ class Trainer:
         if not candidates:
             raise LlmkitError(f"{self.run_dir}: no checkpoint to resume from")
         for i, ckpt in enumerate(candidates):
+            problem: DamagedCheckpoint | None = None
             try:
-                self._restore_from(ckpt)
-                return
+                files = self._read_checkpoint(ckpt)
             except DamagedCheckpoint as exc:
-                if i + 1 == len(candidates):
-                    raise
-                self.log(f"warning: {exc}; resuming from {candidates[i + 1].name} instead")
+                problem = exc
+            # Every rank must resume from the same checkpoint: one rank's unreadable file
+            # moves them all to the next.
+            bad = int(self.dist.sum([1.0 if problem else 0.0])[0])
+            if not bad:
+                self._restore_from(ckpt, *files)
+                return
+            why = str(problem) if problem else f"{ckpt} cannot be read on {bad} other rank(s)"
+            if i + 1 == len(candidates):
+                raise problem or DamagedCheckpoint(why)
+            self.log(f"warning: {why}; resuming from {candidates[i + 1].name} instead")
 
-    def _restore_from(self, latest: Path) -> None:
-        state = load_state(latest)
+    def _read_checkpoint(self, ckpt: Path) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        """The trainer state and this rank's own state of ``ckpt``, after checking that its
+        weights file reads (header only); :class:`DamagedCheckpoint` when a file does not."""
+        state = load_state(ckpt)
+        if not (ckpt / SHARDS).is_dir():
+            weight_shapes(ckpt / WEIGHTS)
+        own = ckpt / rank_file(self.dist.rank)
+        rank_state = None
+        if self.dist.distributed and own.is_file():
+            rank_state = load_tensors(own, "rank state")
+        return state, rank_state
+
+    def _restore_from(
+        self, latest: Path, state: dict[str, Any], rank_state: dict[str, Any] | None
+    ) -> None:
         # Hyperparameters come from the (possibly edited) spec, the moments from the run.
         fresh = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
         if (latest / SHARDS).is_dir():  # saved by FSDP: reshards onto any number of ranks
@@ -269,7 +300,7 @@ class Trainer:
                 f"{latest} was not saved by an fsdp run; resume it with train.parallel=ddp"
             )
         else:
-            load_weights(self.model, latest / "model.safetensors")
+            load_weights(self.model, latest / WEIGHTS)
             try:
                 self.optimizer.load_state_dict(state["optimizer"])
             except (ValueError, KeyError, TypeError, RuntimeError) as exc:
@@ -291,9 +322,8 @@ class Trainer:
         self.bad_evals = int(state.get("bad_evals", 0))
         if self.scaler is not None and "scaler" in state:
             self.scaler.load_state_dict(state["scaler"])
-        own = latest / rank_file(self.dist.rank)
-        if self.dist.distributed and own.is_file():
-            set_rng_state(torch.load(own, weights_only=True)["rng"])
+        if rank_state is not None:
+            set_rng_state(rank_state["rng"])
         elif self.dist.is_main:
             set_rng_state(state["rng"])
         else:  # a rank the saving run did not have: a fresh stream of its own
@@ -661,7 +691,7 @@ def train(
             raise LlmkitError(
                 f"{rd} already holds a run; resume it with --resume {rd} or choose another --out"
             )
-        if rd.exists() and (not rd.is_dir() or any(rd.iterdir())):
+        if rd.exists() and (not rd.is_dir() or not _restartable(rd)):
             raise LlmkitError(
                 f"{rd} exists and is not an empty directory; training would overwrite its "
                 "files (a run that stopped before its first checkpoint leaves such a directory): "
@@ -683,6 +713,17 @@ def train(
         dist=dist,
     )
     return trainer.fit()
+
+
+#: What a run writes before its first step: a directory holding only these (and llmkit's
+#: resolved.json among them) is a run that stopped before training, and may start again.
+_SETUP_FILES = {SPEC_FILE, RESOLVED_FILE, TOKENIZER_FILE, "data"}
+
+
+def _restartable(rd: Path) -> bool:
+    """True for an empty directory, or one a run left before its first step."""
+    names = {p.name for p in rd.iterdir()}
+    return not names or (RESOLVED_FILE in names and names <= _SETUP_FILES)
 
 
 def _check_same_optimizer(saved: ResolvedSpec, edited: ResolvedSpec) -> None:

@@ -54,7 +54,26 @@ def test_truncated_state_is_a_damaged_checkpoint(tmp_path):
         load_state(latest)
 
 
-@pytest.mark.parametrize("pointer", ["{garbage", "", "{}", '{"dir": 3}', '["step-000002"]'])
+def test_a_failing_disk_is_not_taken_for_a_damaged_file(tmp_path, monkeypatch):
+    """OSError (EIO, ESTALE, too many open files) propagates: a transient read error must
+    not make a resume drop the newest checkpoint."""
+    latest = _saved(tmp_path).latest()
+
+    def failing(*_a, **_k):
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr("llmkit.checkpoint.safe_open", failing)
+    with pytest.raises(OSError, match="Input/output error"):
+        load_weights(nn.Linear(3, 2), latest / "model.safetensors")
+    monkeypatch.setattr("llmkit.checkpoint.torch.load", failing)
+    with pytest.raises(OSError, match="Input/output error"):
+        load_state(latest)
+
+
+@pytest.mark.parametrize(
+    "pointer",
+    ["{garbage", "", "{}", '{"dir": 3}', '["step-000002"]', '{"dir": ""}', '{"dir": "/"}'],
+)
 def test_a_damaged_latest_pointer_falls_back_to_the_newest_checkpoint(tmp_path, pointer):
     ckpts = _saved(tmp_path)
     (ckpts.dir / "latest.json").write_text(pointer)

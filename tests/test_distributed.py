@@ -186,6 +186,23 @@ def test_resume_after_killing_the_job(reference, tmp_path, parallel):
     assert_same(val, ref_val)
 
 
+def test_ranks_agree_on_the_checkpoint_when_only_one_cannot_read_it(reference, tmp_path):
+    """Rank 1's own file of the latest checkpoint is damaged: both ranks resume from the older
+    checkpoint (a rank resuming alone from another step would hang the job), and the
+    resumed run still matches the uninterrupted reference."""
+    spec, ref = reference
+    out = tmp_path / "ddp"
+    setting = "train.checkpoint_interval=4"
+    ok(torchrun("train", str(spec), "--out", str(out), *TRAIN, "--set", setting))
+    (out / "checkpoints" / "step-000016" / "rank-00001.pt").write_bytes(b"not a torch file")
+    proc = ok(torchrun("train", "--resume", str(out), *TRAIN))
+    assert "cannot be read on 1 other rank(s); resuming from step-000012" in proc.stdout
+    train, val = metrics(out)
+    ref_train, ref_val = metrics(ref)
+    assert_same(train, ref_train)
+    assert_same(val, ref_val)
+
+
 def test_fsdp_checkpoint_resumes_on_another_number_of_ranks(reference, tmp_path):
     """Saved by 2 FSDP ranks (sharded), resumed by 1 process with the same global batch."""
     spec, ref = reference

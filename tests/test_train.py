@@ -145,15 +145,20 @@ def _resume(run: Path, *overrides: str, log=lambda _m: None):
     return train(run_dir=run, resume=True, overrides=list(overrides), log=log, progress=False)
 
 
-def test_resume_falls_back_from_a_damaged_checkpoint(trained):
+@pytest.mark.parametrize("damage", ["truncated", "missing"])
+def test_resume_falls_back_from_a_damaged_checkpoint(trained, damage):
     weights = trained / "checkpoints" / "step-000004" / "model.safetensors"
-    weights.write_bytes(weights.read_bytes()[:100])  # a truncated file
+    if damage == "truncated":
+        weights.write_bytes(weights.read_bytes()[:100])
+    else:
+        weights.unlink()
     with (trained / "metrics.jsonl").open("a") as fh:
         fh.write('{"step": 5, "lo')  # and a half-written metrics line
     logs: list[str] = []
     result = _resume(trained, "train.max_steps=6", log=logs.append)
     assert result.step == 6
-    assert any("unreadable weights" in m and "resuming from step-000002" in m for m in logs)
+    why = "unreadable weights" if damage == "truncated" else "no weights at"
+    assert any(why in m and "resuming from step-000002" in m for m in logs)
     assert [m["step"] for m in read_metrics(trained) if "loss" in m] == [1, 2, 3, 4, 5, 6]
 
 
@@ -393,6 +398,9 @@ def test_a_validation_split_shorter_than_a_block_fails_before_training(tmp_path)
             **_quiet(),
         )
     assert not (run / "metrics.jsonl").exists() and not (run / "checkpoints").exists()
+    # The same command, with the data fixed, starts again in that directory.
+    result = train(write_spec(tmp_path, max_steps=2, eval_interval=2), run_dir=run, **_quiet())
+    assert result.step == 2
 
 
 def test_refuses_a_non_empty_directory_that_is_not_a_run(tmp_path):

@@ -32,8 +32,9 @@ exactly as :meth:`~llmkit.components.base.DistanceBias.dense`. Slopes get no gra
 Sliding window (``window`` W, causal only; :mod:`llmkit.kernels.sliding_window`): a query
 at key position p also drops keys ≤ p − W. The forward and dQ programs then start at the key
 block of the oldest key their first query sees, and a dK/dV program stops at the last query
-whose window reaches its keys, so the work is O(L·W). W is a runtime argument (no recompile
-per window); ``HAS_WINDOW`` removes all of it from the kernels compiled without a window.
+whose window reaches its keys, so the work is O(L·W). W is a runtime argument: windows share
+one compiled kernel (apart from Triton's own specializations of the value 1 and of multiples
+of 16), and ``HAS_WINDOW`` removes all of it from the kernels compiled without a window.
 
 GQA/MQA: K and V are never repeated in memory. Query head ``h`` reads kv head
 ``h // groups``. The dK/dV program of a kv head loops over the ``groups`` query heads of its
@@ -160,8 +161,9 @@ def _fwd_kernel(
     # A window: start at the key block of the oldest key the first query of the block sees.
     lo = (tl.maximum(offset + start_m * BLOCK_M - WINDOW + 1, 0) // BLOCK_N) * BLOCK_N
     lo = lo if HAS_WINDOW else 0
-    k_ptrs = K + (lo + offs_n)[:, None] * stride_kn + offs_d[None, :] * stride_kd
-    v_ptrs = V + (lo + offs_n)[:, None] * stride_vn + offs_d[None, :] * stride_vd
+    rows_n = (lo + offs_n)[:, None].to(tl.int64)  # Tk·stride may pass 2³¹
+    k_ptrs = K + rows_n * stride_kn + offs_d[None, :] * stride_kd
+    v_ptrs = V + rows_n * stride_vn + offs_d[None, :] * stride_vd
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -459,8 +461,9 @@ def _bwd_dq_kernel(
     hi = tl.minimum(TK, offset + (start_m + 1) * BLOCK_M) if CAUSAL else TK
     lo = (tl.maximum(offset + start_m * BLOCK_M - WINDOW + 1, 0) // BLOCK_N) * BLOCK_N
     lo = lo if HAS_WINDOW else 0
-    k_ptrs = K + (lo + offs_n)[:, None] * stride_kn + offs_d[None, :] * stride_kd
-    v_ptrs = V + (lo + offs_n)[:, None] * stride_vn + offs_d[None, :] * stride_vd
+    rows_n = (lo + offs_n)[:, None].to(tl.int64)  # Tk·stride may pass 2³¹
+    k_ptrs = K + rows_n * stride_kn + offs_d[None, :] * stride_kd
+    v_ptrs = V + rows_n * stride_vn + offs_d[None, :] * stride_vd
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     for start_n in range(lo, hi, BLOCK_N):

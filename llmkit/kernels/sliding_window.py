@@ -14,7 +14,8 @@ once with ``HAS_WINDOW`` set. With it:
   queries at key positions [n₀, n₀+BLOCK_N+W−1), summed over the GQA group in registers.
 
 So compute is O(L·(W + BLOCK)) per head and memory O(L) beyond the inputs (output, row
-log-sum-exp, δ). The window needs no recompilation per value. Everything else is the flash
+log-sum-exp, δ). Windows share the compiled kernels (Triton specializes only the value 1
+and multiples of 16). Everything else is the flash
 kernels' contract: fp32 statistics and accumulation, IEEE fp32 dots for fp32 inputs (TF32
 when PyTorch allows it), ALiBi slopes as score − slope·(p − j), a ``key_padding_mask`` in the
 kernel (a query left with no key returns zeros and zero gradients), no atomics (bit-identical
