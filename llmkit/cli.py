@@ -249,7 +249,8 @@ def cmd_plugins(args: argparse.Namespace) -> int:
         )
         for p in failed:
             con.print(
-                f"  {p['name']} ({p['distribution']} {p['version']}): {p['error']}", markup=False
+                f"  {p['name']} ({p['distribution']} {p['version']}".rstrip() + f"): {p['error']}",
+                markup=False,
             )
         con.print(
             "  fix: reinstall or upgrade it, leave it out of LLMKIT_PLUGINS, or uninstall it; "

@@ -197,6 +197,13 @@ class Registry:
             info = self._register(plugin, ep.name, dist, version)
             if info.error is None:
                 loaded.append(info)
+        for name in sorted((allowed or set()) - seen - {BUILTIN_PLUGIN}):
+            installed = ", ".join(sorted(seen - {BUILTIN_PLUGIN})) or "none"
+            self._fail(
+                PluginInfo(name, "not installed", ""),
+                f"named in LLMKIT_PLUGINS, but no installed package provides it "
+                f"(installed plugins: {installed})",
+            )
         if BUILTIN_PLUGIN not in self.plugins:  # e.g. running from a source tree
             from llmkit.components import builtin
 

@@ -455,6 +455,16 @@ def test_requires_fails_first_naming_the_distribution(
     assert "swiglo" not in err  # checked before anything else is validated
 
 
+def test_a_plugin_name_nothing_provides_is_reported(plugins_on, capsys):
+    reg = plugins_on("extra", "losses")  # a typo for "extras"
+    (bad,) = reg.failures()
+    assert bad.name == "extra" and "no installed package provides it" in bad.error
+    assert "extras" in bad.error  # the installed names, to spot the typo
+    assert "losses" in reg.plugins and reg.plugins["losses"].error is None
+    code, out, _ = cli(capsys, "plugins")
+    assert code == 1 and "extra (not installed): named in LLMKIT_PLUGINS" in out
+
+
 def test_requires_names_an_installed_plugin_that_is_switched_off(plugins_on, capsys, tmp_path):
     plugins_on("losses")  # llmkit-extras is installed, but its plugin is not loaded
     code, _, err = cli(capsys, "validate", str(_requiring(tmp_path, "llmkit-extras>=0.1")))
