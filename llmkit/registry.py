@@ -142,6 +142,9 @@ def _load_winners() -> dict[str, str]:
             data = tomllib.loads(path.read_text(encoding="utf-8"))
         except FileNotFoundError as exc:
             raise RegistryError(f"registry file not found: {path}") from exc
+        except (OSError, UnicodeDecodeError) as exc:
+            why = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
+            raise RegistryError(f"registry file {path}: {why or exc}") from exc
         except tomllib.TOMLDecodeError as exc:
             raise RegistryError(f"{path}: invalid TOML: {exc}") from exc
         winners.update({str(k): str(v) for k, v in data.get("winners", {}).items()})

@@ -110,6 +110,20 @@ def test_registry_file_chooses_the_winner(tmp_path, monkeypatch):
     assert [c.provider for c in reg.overridden] == ["llmkit-fake"]
 
 
+@pytest.mark.parametrize("what", ["missing", "directory", "not-utf8", "bad-toml"])
+def test_a_registry_file_that_cannot_be_used_is_named(tmp_path, monkeypatch, what):
+    from llmkit.registry import _load_winners
+
+    path = {"missing": tmp_path / "nope.toml", "directory": tmp_path}.get(what, tmp_path / "r.toml")
+    if what == "not-utf8":
+        path.write_bytes(b"\xff\xfe")
+    elif what == "bad-toml":
+        path.write_text("[winners\n")
+    monkeypatch.setenv("LLMKIT_REGISTRY", str(path))
+    with pytest.raises(RegistryError, match=str(path)):
+        _load_winners()
+
+
 def test_a_plugin_failing_to_register_is_reported_and_others_still_load():
     class Broken:
         @hookimpl
