@@ -242,68 +242,34 @@ def test_resume_after_a_kill_reproduces_the_uninterrupted_losses(tmp_path):
 
 def test_cli_eval_and_generate(tmp_path):
     env = {**os.environ, "LLMKIT_PLUGINS": ""}
+
+    def llmkit(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            _cli(*args), env=env, cwd=ROOT, capture_output=True, text=True, timeout=600
+        )
+
     run = tmp_path / "run"
     spec = write_spec(tmp_path, max_steps=30, eval_interval=30, sample_tokens=20)
-    proc = subprocess.run(
-        _cli("train", str(spec), "--out", str(run), "--no-progress"),
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    proc = llmkit("train", str(spec), "--out", str(run), "--no-progress")
     assert proc.returncode == 0, proc.stderr
     assert "sample" in proc.stdout and "done: 30 steps" in proc.stdout
-    proc = subprocess.run(
-        _cli("eval", str(run), "--json"),
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    proc = llmkit("eval", str(run), "--json")
     assert proc.returncode == 0, proc.stderr
     assert "perplexity" in proc.stderr and "bits/byte" in proc.stderr
     assert json.loads(proc.stdout)["tokens"] > 0  # stdout is the JSON alone
     other = tmp_path / "other.txt"
     other.write_text("Speak, speak. All resolved.\n")
-    proc = subprocess.run(
-        _cli("eval", str(run), "--data", str(other)),
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    proc = llmkit("eval", str(run), "--data", str(other))
     assert proc.returncode == 0 and "bits/byte" in proc.stdout, proc.stderr
     other.write_bytes(b"\xff\xfe\x00binary")
-    proc = subprocess.run(
-        _cli("eval", str(run), "--data", str(other)),
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    proc = llmkit("eval", str(run), "--data", str(other))
     assert proc.returncode == 2 and "not UTF-8 text" in proc.stderr, proc.stderr
-    proc = subprocess.run(
-        _cli("generate", str(run), "--prompt", "First", "--max-new-tokens", "15", "--seed", "1"),
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
+    proc = llmkit(
+        "generate", str(run), "--prompt", "First", "--max-new-tokens", "15", "--seed", "1"
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("First") and len(proc.stdout) > len("First")
-    proc = subprocess.run(
-        _cli("eval", str(tmp_path / "nope")),
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    proc = llmkit("eval", str(tmp_path / "nope"))
     assert proc.returncode == 2 and "run not found" in proc.stderr
     assert "Traceback" not in proc.stderr
 
