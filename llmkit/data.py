@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -373,7 +374,7 @@ def count_blocks(n_tokens: int, block_size: int, what: str) -> int:
     return (n_tokens - 1) // block_size
 
 
-class _Sampler:
+class _Sampler(ABC):
     """What every training sampler holds: the tokens, the block size, the seed and this
     rank's place; construction fails clearly for a bad rank or a corpus under one block."""
 
@@ -397,9 +398,9 @@ class _Sampler:
         self.n_blocks = count_blocks(len(data), block_size, f"{name} split")
         self._start(name)
 
+    @abstractmethod
     def _start(self, name: str) -> None:
         """What a sampler adds to the shared state (its position), set up at construction."""
-        raise NotImplementedError
 
 
 class BlockSampler(_Sampler):
