@@ -200,12 +200,8 @@ class Trainer:
         if not self.resume and dist.is_main:
             save_spec(self.rs, self.run_dir)
 
+        # ≤ max_seq_len: the spec's validation checks it.
         self.block_size = self.rs.spec.data.block_size or self.rs.model.max_seq_len
-        if self.block_size > self.rs.model.max_seq_len:
-            raise LlmkitError(
-                f"data.block_size ({self.block_size}) exceeds model.max_seq_len "
-                f"({self.rs.model.max_seq_len})"
-            )
         self.sampler = make_sampler(
             self.rs.spec.data.sampling,
             data.train,
