@@ -287,6 +287,11 @@ class Trainer:
     def _restore_from(
         self, latest: Path, state: dict[str, Any], rank_state: dict[str, Any] | None
     ) -> None:
+        if self.t.max_steps < int(state["step"]):  # refused before anything is loaded
+            raise LlmkitError(
+                f"{latest.name}: the run is at step {int(state['step'])} and train.max_steps "
+                f"is {self.t.max_steps}; raise it (--max-steps N) to train further"
+            )
         # Hyperparameters come from the (possibly edited) spec, the moments from the run.
         fresh = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
         if (latest / SHARDS).is_dir():  # saved by FSDP: reshards onto any number of ranks
@@ -308,11 +313,6 @@ class Trainer:
             group.update(hyper)
         self.sampler.load_state_dict(state["data"])
         self.step, self.tokens = int(state["step"]), int(state["tokens"])
-        if self.t.max_steps < self.step:
-            raise LlmkitError(
-                f"{latest.name}: the run is at step {self.step} and train.max_steps is "
-                f"{self.t.max_steps}; raise it (--max-steps N) to train further"
-            )
         self.elapsed = float(state["elapsed"])
         self.best_val = state.get("best_val")
         self.bad_evals = int(state.get("bad_evals", 0))
