@@ -71,16 +71,27 @@ class Component:
             return self.target
         return f"{self.target.__module__}:{self.target.__qualname__}"
 
+    def _import(self, target: str) -> Any:
+        """``import_target``; a failure is a :class:`RegistryError` naming the component and
+        its provider (a plugin's module that does not import)."""
+        try:
+            return import_target(target)
+        except Exception as exc:
+            raise RegistryError(
+                f"{self.kind} {self.name!r} from {self.provider} failed to load: "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
+
     def load(self) -> Any:
         """The factory, importing it on first use."""
         if isinstance(self.target, str):
-            self.target = import_target(self.target)
+            self.target = self._import(self.target)
         return self.target
 
     def options_model(self) -> type:
         """The pydantic model of this component's options."""
         if isinstance(self.options, str):
-            self.options = import_target(self.options)
+            self.options = self._import(self.options)
         if self.options is None:
             factory = self.load()
             opts = getattr(factory, "Options", None)

@@ -550,11 +550,8 @@ class _Resolver:
             what = f"option for {kind} {record.name!r}"
             self.problems += _pydantic_problems(exc, tuple(path.split(".")), model, what)
             return None
-        except Exception as exc:  # the component failed to import
-            self.problems.append(
-                f"{path}: {kind} {record.name!r} from {record.provider} failed to load: "
-                f"{type(exc).__name__}: {exc}"
-            )
+        except RegistryError as exc:  # the component failed to import
+            self.problems.append(f"{path}: {exc}")
             return None
         return Resolved(kind, record, opts)
 

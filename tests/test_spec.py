@@ -286,6 +286,17 @@ def test_requires_names_missing_or_old_distributions():
     assert load_spec_dict(spec)
 
 
+def test_a_component_whose_module_fails_to_import_is_named():
+    from tests.test_conformance import fake_registry
+
+    reg = fake_registry({"kind": "norm", "name": "ghost", "target": "llmkit.no_such_module:G"})
+    spec = tiny_spec()
+    spec["model"]["norm"] = {"name": "ghost"}
+    want = r"model\.norm: norm 'ghost' from llmkit-fake failed to load: ModuleNotFoundError"
+    with pytest.raises(SpecError, match=want):
+        load_spec_dict(spec, registry=reg)
+
+
 def test_training_values_checked_before_any_run():
     spec = tiny_spec()
     spec["data"] = {"block_size": spec["model"]["max_seq_len"] + 1}
