@@ -219,8 +219,11 @@ class Checkpoints:
 
     def latest(self) -> Path | None:
         """What ``latest.json`` names, or the newest checkpoint when the pointer is damaged."""
-        steps = self.steps()
-        return self._pointer("latest") or (steps[-1] if steps else None)
+        latest = self._pointer("latest")
+        if latest is None:
+            steps = self.steps()
+            latest = steps[-1] if steps else None
+        return latest
 
     def best(self) -> Path | None:
         return self._pointer("best")
