@@ -213,22 +213,29 @@ def test_sliding_window_at_least_length_is_dense_causal():
         )
 
 
-def test_sliding_window_gradients_match_reference():
-    q, k, v = make_qkv(2, 4, 2, 21, 21, seed=5)
-    slopes = torch.tensor(alibi_slopes(4))
-    pad = left_padding(2, 21, [0, 4])
-    grad_out = torch.randn(q.shape, generator=torch.Generator().manual_seed(9))
+def _sliding_window_vs_naive(q, k, v, window, pads, grad_seed, **kwargs):
+    """(output, dq, dk, dv) of ``sliding_window_attention`` with ALiBi and left padding
+    ``pads``, and the same from the float64 naive reference."""
+    slopes = torch.tensor(alibi_slopes(q.shape[1]))
+    pad = left_padding(q.shape[0], k.shape[2], pads)
+    grad_out = torch.randn(q.shape, generator=torch.Generator().manual_seed(grad_seed))
     ins = [t.clone().requires_grad_(True) for t in (q, k, v)]
     out = sliding_window_attention(
-        *ins, 6, bias=DistanceBias(slopes), key_padding_mask=pad, chunk=4
+        *ins, window, bias=DistanceBias(slopes), key_padding_mask=pad, **kwargs
     )
     grads = torch.autograd.grad(out, ins, grad_out)
     ref_ins = [t.double().requires_grad_(True) for t in (q, k, v)]
-    ref = naive(*ref_ins, slopes=slopes, pad=pad, window=6)
+    ref = naive(*ref_ins, slopes=slopes, pad=pad, window=window)
     ref_grads = torch.autograd.grad(ref, ref_ins, grad_out.double())
-    for got, want in zip(grads, ref_grads, strict=True):
-        assert torch.isfinite(got).all()
-        torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=0)
+    return (out, *grads), (ref, *ref_grads)
+
+
+def test_sliding_window_gradients_match_reference():
+    q, k, v = make_qkv(2, 4, 2, 21, 21, seed=5)
+    got, want = _sliding_window_vs_naive(q, k, v, 6, [0, 4], grad_seed=9, chunk=4)
+    for g, w in zip(got[1:], want[1:], strict=True):
+        assert torch.isfinite(g).all()
+        torch.testing.assert_close(g.double(), w, atol=1e-5, rtol=0)
 
 
 def _grads_vs_reference(q, k, v, window, *, slopes=None, pad=None, chunk=None, seed=0):
@@ -301,19 +308,9 @@ def test_sliding_window_dropout_path_gradients():
     """The dropout path (plain autograd through the same steps): with p → 0 it matches the
     reference, gradients included, and padded rows give zeros, not NaN."""
     q, k, v = make_qkv(2, 4, 2, 9, 14, seed=2)
-    slopes = torch.tensor(alibi_slopes(4))
-    pad = left_padding(2, 14, [0, 7])
-    grad_out = torch.randn(q.shape, generator=torch.Generator().manual_seed(1))
-    ins = [t.clone().requires_grad_(True) for t in (q, k, v)]
-    out = sliding_window_attention(
-        *ins, 4, bias=DistanceBias(slopes), key_padding_mask=pad, dropout_p=1e-12, chunk=2
-    )
-    grads = torch.autograd.grad(out, ins, grad_out)
-    ref_ins = [t.double().requires_grad_(True) for t in (q, k, v)]
-    ref = naive(*ref_ins, slopes=slopes, pad=pad, window=4)
-    ref_grads = torch.autograd.grad(ref, ref_ins, grad_out.double())
-    for got, want in zip((out, *grads), (ref, *ref_grads), strict=True):
-        torch.testing.assert_close(got.double(), want, atol=2e-5, rtol=0)
+    got, want = _sliding_window_vs_naive(q, k, v, 4, [0, 7], grad_seed=1, dropout_p=1e-12, chunk=2)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g.double(), w, atol=2e-5, rtol=0)
 
 
 def test_sliding_window_autograd_saves_only_linear_tensors():
