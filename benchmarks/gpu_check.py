@@ -23,7 +23,7 @@ resolved by name through the registry, so the real components run, Triton paths 
    B = 16384/N and H = 2048/D (constant tokens × width), for ``flash`` and ``sliding_window``
    against the ``sdpa`` component forced to its flash backend
    (``sdpa_kernel(SDPBackend.FLASH_ATTENTION)``); TFLOP/s by the formulas of
-   :mod:`llmkit.bench_kernels` (sliding window: windowed FLOPs). Then the Triton norm and ffn
+   :mod:`llmkit.bench.kernels` (sliding window: windowed FLOPs). Then the Triton norm and ffn
    against their PyTorch counterparts over 4k…64k tokens at width 4096.
 
 Writes ``gpu_check.md`` (the tables), ``gpu_check.json`` (every record) and PNG plots under
@@ -58,8 +58,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from llmkit import bench_kernels as bk
-from llmkit.components.base import BuildContext
+from llmkit.bench import kernels as bk
+from llmkit.contracts import BuildContext
 
 CHECKS = ("attention.flash", "attention.sliding_window", "norm.rmsnorm_triton", "ffn.swiglu_triton")
 ATTENTION_BENCH = ("flash", "sliding_window")

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from benchmarks.conftest import FULL, SPECS
-from llmkit.components.base import BuildContext
+from llmkit.contracts import BuildContext
 from llmkit.model import build_model
 from llmkit.registry import get_registry
 from llmkit.spec import load_spec, load_spec_dict

@@ -1,6 +1,6 @@
 """Kernel benchmarks: every registered attention, ffn and norm component, forward and
 forward+backward, with TFLOP/s (GB/s for norms), peak memory, device and dtype in
-``extra_info`` (see :mod:`llmkit.bench_kernels` for the FLOP counts and the memory measure).
+``extra_info`` (see :mod:`llmkit.bench.kernels` for the FLOP counts and the memory measure).
 
 Parametrized over the registry at collection time: a plugin's kernel joins without edits
 here, and a component that cannot run a case (a capability, options, or an exception it
@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from benchmarks.conftest import FULL
-from llmkit import bench_kernels as bk
+from llmkit.bench import kernels as bk
 from llmkit.registry import get_registry
 
 DEVICE = os.environ.get("LLMKIT_BENCH_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu")

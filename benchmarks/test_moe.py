@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from benchmarks.conftest import FULL
-from llmkit.components.base import BuildContext
 from llmkit.components.ffn.moe import MoE, MoEOptions
 from llmkit.components.ffn.swiglu import SwiGLU, SwiGLUOptions
+from llmkit.contracts import BuildContext
 from tests.components.test_moe import reference_moe
 
 D_MODEL = 256 if FULL else 64

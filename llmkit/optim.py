@@ -17,7 +17,7 @@ import torch
 from pydantic import Field
 from torch import nn
 
-from llmkit.components.base import ComponentOptions
+from llmkit.contracts import ComponentOptions
 
 #: A momentum/averaging coefficient in [0, 1).
 Beta = Annotated[float, Field(ge=0.0, lt=1.0)]

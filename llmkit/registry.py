@@ -99,7 +99,7 @@ class Component:
                 module = importlib.import_module(factory.__module__)
                 opts = getattr(module, "Options", None)
             if opts is None:
-                from llmkit.components.base import NoOptions
+                from llmkit.contracts import NoOptions
 
                 opts = NoOptions
             self.options = opts

@@ -1,4 +1,4 @@
-"""Kernel benchmarks (llmkit.bench_kernels, `llmkit bench kernels`, benchmarks/gpu_check.py)
+"""Kernel benchmarks (llmkit.bench.kernels, `llmkit bench kernels`, benchmarks/gpu_check.py)
 on tiny CPU shapes: records, FLOP formulas, the memory measure, JSON/PNG/table output, the
 command line's errors, and the GPU check's CPU dry run."""
 
@@ -13,10 +13,10 @@ import torch
 from rich.console import Console
 from torch import Tensor
 
-from llmkit import bench_kernels as bk
+from llmkit.bench import kernels as bk
 from llmkit.cli import main
 from llmkit.components.attention.sdpa import SDPAttention
-from llmkit.components.base import AttentionKernel, ComponentOptions, NoOptions
+from llmkit.contracts import AttentionKernel, ComponentOptions, NoOptions
 from llmkit.registry import Component, get_registry
 from tests.conftest import ROOT
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from llmkit.checkpoint import Checkpoints, DamagedCheckpoint, load_state, load_weights
 from llmkit.errors import LlmkitError
+from llmkit.runs.checkpoints import Checkpoints, DamagedCheckpoint, load_state, load_weights
 
 
 def _saved(tmp_path: Path, steps=(1, 2, 3)) -> Checkpoints:
@@ -62,10 +62,10 @@ def test_a_failing_disk_is_not_taken_for_a_damaged_file(tmp_path, monkeypatch):
     def failing(*_a, **_k):
         raise OSError(5, "Input/output error")
 
-    monkeypatch.setattr("llmkit.checkpoint.safe_open", failing)
+    monkeypatch.setattr("llmkit.runs.checkpoints.safe_open", failing)
     with pytest.raises(OSError, match="Input/output error"):
         load_weights(nn.Linear(3, 2), latest / "model.safetensors")
-    monkeypatch.setattr("llmkit.checkpoint.torch.load", failing)
+    monkeypatch.setattr("llmkit.runs.checkpoints.torch.load", failing)
     with pytest.raises(OSError, match="Input/output error"):
         load_state(latest)
 

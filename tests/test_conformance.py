@@ -12,7 +12,7 @@ from pydantic import BaseModel, Field, model_validator
 from torch import Tensor, nn
 
 from llmkit.components import builtin
-from llmkit.components.base import (
+from llmkit.contracts import (
     AttentionKernel,
     BuildContext,
     ComponentOptions,

@@ -161,7 +161,7 @@ def test_prepare_num_proc_same_tokens(tmp_path: Path) -> None:
 
 
 def test_prepare_given_tokenizer(corpus: Path, tmp_path: Path) -> None:
-    from llmkit.tokenizer import train_char
+    from llmkit.data.tokenizer import train_char
 
     tok = train_char([TEXT + "xyz"], ["<|endoftext|>"])
     pd = prepare_data(make_rs([corpus]), tmp_path / "run", tokenizer=tok, log=quiet)

@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from llmkit import distributed
 from llmkit.errors import LlmkitError
+from llmkit.training import distributed
 from tests.helpers import write_train_spec
 
 ROOT = Path(__file__).resolve().parents[1]

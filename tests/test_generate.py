@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from llmkit import cli
-from llmkit.checkpoint import WEIGHTS, save_weights
-from llmkit.generate import (
+from llmkit.data.tokenizer import train_bpe, train_char
+from llmkit.inference import (
     GenerationResult,
     Generator,
     IncrementalDecoder,
@@ -25,9 +25,9 @@ from llmkit.generate import (
 )
 from llmkit.model import build_model
 from llmkit.registry import get_registry
-from llmkit.run import TOKENIZER_FILE, save_spec
+from llmkit.runs import TOKENIZER_FILE, save_spec
+from llmkit.runs.checkpoints import WEIGHTS, save_weights
 from llmkit.spec import load_spec_dict
-from llmkit.tokenizer import train_bpe, train_char
 from tests.helpers import tiny_spec
 
 
@@ -411,7 +411,7 @@ def test_result_text_never_contains_a_replacement_for_whole_characters(lm, char_
 
 
 def test_bench_generate_reports_every_figure_and_a_bounded_window_cache():
-    from llmkit.bench_generate import bench_generate
+    from llmkit.bench.generation import bench_generate
 
     spec = tiny_spec(attention={"name": "sliding_window", "window": 4}, max_seq_len=64)
     model = build_model(load_spec_dict(spec))

@@ -14,7 +14,7 @@ from torch import nn
 from llmkit import hookimpl
 from llmkit.components.attention.sdpa import SDPAttention
 from llmkit.errors import SpecError
-from llmkit.generate import Sampling, generate_batch, prepare_for_decoding
+from llmkit.inference import Sampling, generate_batch, prepare_for_decoding
 from llmkit.model import KVCache, LayerCache, build_model
 from llmkit.registry import get_registry
 from llmkit.spec import load_spec_dict

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from llmkit import hookimpl
-from llmkit.components.base import ComponentOptions, SideOutputs
+from llmkit.contracts import ComponentOptions, SideOutputs
 from llmkit.model import build_model
 from llmkit.spec import load_spec, load_spec_dict
 from tests.conftest import SPECS

@@ -172,7 +172,7 @@ def test_benchmark_suite_picks_up_plugin_components():
 
 
 def test_a_spec_made_of_plugin_components_trains(plugins_on, tmp_path):
-    from llmkit.train import train
+    from llmkit.training import train
 
     plugins_on("extras")
     corpus = tmp_path / "corpus.txt"
@@ -505,7 +505,7 @@ def test_a_plugin_can_use_a_kind_declared_by_a_plugin_loaded_after_it(fake_site,
         @hookimpl
         def register_components(register):
             register("metric", "accuracy", "builtins:len",
-                     options="llmkit.components.base:NoOptions")
+                     options="llmkit.contracts:NoOptions")
         """,
     )
     install_fake(

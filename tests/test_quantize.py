@@ -9,13 +9,13 @@ import torch
 from torch import nn
 
 from llmkit import cli
-from llmkit.checkpoint import WEIGHTS, save_weights
-from llmkit.generate import Generator, Sampling, generate_batch
+from llmkit.data.tokenizer import train_char
+from llmkit.inference import Generator, Sampling, generate_batch
+from llmkit.inference.quantize import Int8Linear, dynamic_available, quantize_model, weight_bytes
 from llmkit.model import build_model
-from llmkit.quantize import Int8Linear, dynamic_available, quantize_model, weight_bytes
-from llmkit.run import TOKENIZER_FILE, save_spec
+from llmkit.runs import TOKENIZER_FILE, save_spec
+from llmkit.runs.checkpoints import WEIGHTS, save_weights
 from llmkit.spec import load_spec_dict
-from llmkit.tokenizer import train_char
 from tests.helpers import tiny_spec
 
 BACKENDS = ["weight_only"] + (["dynamic"] if dynamic_available() else [])

@@ -9,7 +9,7 @@ import pytest
 from pydantic import Field
 
 from llmkit import hookimpl
-from llmkit.components.base import ComponentOptions
+from llmkit.contracts import ComponentOptions
 from llmkit.errors import PluginError, RegistryError
 from llmkit.registry import Registry, get_registry, reset_registry
 from tests.helpers import registry_with

@@ -9,8 +9,8 @@ import pytest
 from pydantic import BaseModel
 
 import llmkit
-from llmkit.components.base import PositionalScheme
 from llmkit.components.builtin import catalogue
+from llmkit.contracts import PositionalScheme
 from llmkit.registry import import_target
 from tests.conftest import ROOT
 

@@ -6,8 +6,8 @@ import jsonschema
 import pytest
 
 from llmkit.registry import get_registry
-from llmkit.schema import _ident, spec_schema
 from llmkit.spec import load_raw
+from llmkit.spec.schema import _ident, spec_schema
 from tests.conftest import SPECS
 
 

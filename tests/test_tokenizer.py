@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from llmkit.data.tokenizer import Tokenizer, build_tokenizer, take_bytes, train_bpe, train_char
 from llmkit.errors import LlmkitError
 from llmkit.spec import TokenizerSpec
-from llmkit.tokenizer import Tokenizer, build_tokenizer, take_bytes, train_bpe, train_char
 
 CORPUS = [
     "def add(x, y):\n    return x + y\n",

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from llmkit.checkpoint import Checkpoints
 from llmkit.errors import LlmkitError
-from llmkit.train import train
+from llmkit.runs.checkpoints import Checkpoints
+from llmkit.training import train
 from tests.conftest import ROOT
 from tests.helpers import write_train_spec
 
@@ -63,7 +63,7 @@ def test_training_writes_the_run_directory(tmp_path):
 
 
 def test_loss_curve_is_drawn_during_training_at_most_every_plot_interval(tmp_path, monkeypatch):
-    from llmkit import train as train_module
+    import llmkit.training as train_module
 
     drawn: list[int] = []
     real = train_module.plot_losses
@@ -124,7 +124,7 @@ def test_a_crash_during_a_save_leaves_latest_intact(tmp_path, monkeypatch):
     def boom(*_a, **_k):
         raise OSError("disk full")
 
-    monkeypatch.setattr("llmkit.checkpoint.torch.save", boom)
+    monkeypatch.setattr("llmkit.runs.checkpoints.torch.save", boom)
     model = torch.nn.Linear(2, 2)
     with pytest.raises(OSError):
         ckpts.save(3, model, {}, {})
@@ -324,7 +324,7 @@ def test_early_stopping_and_max_time(tmp_path):
 
 
 def test_skip_mode_skips_non_finite_steps(tmp_path, monkeypatch):
-    from llmkit import train as train_mod
+    import llmkit.training as train_mod
 
     calls = {"n": 0}
     original = train_mod.Trainer._train_step

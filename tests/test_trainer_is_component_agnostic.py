@@ -10,10 +10,10 @@ from pathlib import Path
 
 import yaml
 
-import llmkit.train
-from llmkit.train import train
+import llmkit.training
+from llmkit.training import train
 
-TRAIN_SOURCE = Path(llmkit.train.__file__).read_text(encoding="utf-8")
+TRAIN_SOURCE = Path(llmkit.training.__file__).read_text(encoding="utf-8")
 
 
 def imported_modules(source: str) -> set[str]:

@@ -27,7 +27,7 @@ programs stop at the last key block their rows can see. ``key_padding_mask`` (B,
 supported in the kernel (one byte per key, loaded per key block); a row left with no key
 gives a zero output and zero gradients, never NaN. ALiBi (``DistanceBias.slopes``) adds
 ``−slope·d`` with ``d = max(qpos − kpos, 0)`` when causal and ``|qpos − kpos|`` otherwise,
-exactly as :meth:`~llmkit.components.base.DistanceBias.dense`. Slopes get no gradient.
+exactly as :meth:`~llmkit.contracts.DistanceBias.dense`. Slopes get no gradient.
 
 Sliding window (``window`` W, causal only; :mod:`llmkit.kernels.sliding_window`): a query
 at key position p also drops keys ≤ p − W. The forward and dQ programs then start at the key
@@ -64,7 +64,7 @@ from torch import Tensor
 
 from llmkit.components.attention.dense import check_shapes
 from llmkit.components.attention.sdpa import sdpa_attention
-from llmkit.components.base import DistanceBias
+from llmkit.contracts import DistanceBias
 from llmkit.kernels import runtime
 
 __all__ = [

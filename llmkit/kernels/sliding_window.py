@@ -31,7 +31,7 @@ from __future__ import annotations
 from torch import Tensor
 
 from llmkit.components.attention.dense import check_shapes
-from llmkit.components.base import DistanceBias
+from llmkit.contracts import DistanceBias
 from llmkit.kernels import flash_attention as flash
 
 #: Input dtypes the kernel accepts.

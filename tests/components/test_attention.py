@@ -19,8 +19,8 @@ from llmkit.components.attention.sliding_window import (
     default_chunk,
     sliding_window_attention,
 )
-from llmkit.components.base import AttentionKernel, BuildContext, ComponentOptions, DistanceBias
 from llmkit.components.position.alibi import alibi_slopes
+from llmkit.contracts import AttentionKernel, BuildContext, ComponentOptions, DistanceBias
 
 ATOL = 1e-5
 CTX = BuildContext(d_model=32, n_heads=4, n_kv_heads=2, head_dim=8, max_seq_len=64, n_layers=1)

@@ -10,10 +10,10 @@ import torch.nn.functional as F
 from pydantic import ValidationError
 from torch import nn
 
-from llmkit.components.base import BuildContext, ComponentOptions
 from llmkit.components.ffn.geglu import GeGLU
 from llmkit.components.ffn.mlp import MLP
 from llmkit.components.ffn.swiglu import SwiGLU
+from llmkit.contracts import BuildContext, ComponentOptions
 
 FFNS = {"mlp": MLP, "swiglu": SwiGLU, "geglu": GeGLU}
 

@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call
 
-from llmkit.components.base import BuildContext
 from llmkit.components.ffn.moe import EXPERT_BLOCKS, MoE, MoEOptions
+from llmkit.contracts import BuildContext
 from llmkit.errors import SpecError
 from llmkit.model import build_model
 from llmkit.spec import load_spec, load_spec_dict

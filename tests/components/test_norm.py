@@ -6,9 +6,9 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from llmkit.components.base import BuildContext, ComponentOptions
 from llmkit.components.norm.layernorm import LayerNorm
 from llmkit.components.norm.rmsnorm import RMSNorm
+from llmkit.contracts import BuildContext, ComponentOptions
 
 
 def ctx(bias: bool = True, dim: int = 0) -> BuildContext:

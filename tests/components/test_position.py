@@ -12,18 +12,18 @@ import torch
 from pydantic import ValidationError
 from torch import Tensor
 
-from llmkit.components.base import (
+from llmkit.components.position.alibi import ALiBi, alibi_slopes
+from llmkit.components.position.learned import LearnedPosition
+from llmkit.components.position.none import NoPosition
+from llmkit.components.position.rope import RotaryPosition
+from llmkit.components.position.sinusoidal import SinusoidalPosition
+from llmkit.contracts import (
     POSITION_SITES,
     BuildContext,
     ComponentOptions,
     DistanceBias,
     PositionalScheme,
 )
-from llmkit.components.position.alibi import ALiBi, alibi_slopes
-from llmkit.components.position.learned import LearnedPosition
-from llmkit.components.position.none import NoPosition
-from llmkit.components.position.rope import RotaryPosition
-from llmkit.components.position.sinusoidal import SinusoidalPosition
 
 REGISTRY = Path(__file__).resolve().parents[2] / "llmkit" / "registry.toml"
 

@@ -38,8 +38,8 @@ from torch import Tensor
 
 from llmkit.components.attention.flash import FlashAttention
 from llmkit.components.attention.sdpa import sdpa_attention
-from llmkit.components.base import BuildContext, DistanceBias, NoOptions
 from llmkit.components.position.alibi import alibi_slopes
+from llmkit.contracts import BuildContext, DistanceBias, NoOptions
 from llmkit.kernels import runtime
 from tests.kernels.common import CUDA, assert_within_budget, interpreter_ready
 

@@ -20,9 +20,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from llmkit.components.base import BuildContext
 from llmkit.components.norm.rmsnorm import RMSNorm
 from llmkit.components.norm.rmsnorm_triton import RMSNormTriton
+from llmkit.contracts import BuildContext
 from llmkit.kernels import runtime
 from tests.kernels.common import BF16, CUDA, DEVICE, assert_within_budget
 

@@ -26,8 +26,8 @@ from llmkit.components.attention.sliding_window import (
     SlidingWindowAttention,
     sliding_window_attention,
 )
-from llmkit.components.base import BuildContext, DistanceBias
 from llmkit.components.position.alibi import alibi_slopes
+from llmkit.contracts import BuildContext, DistanceBias
 from llmkit.kernels import runtime
 from tests.kernels.common import BF16_REASON, CUDA, DEVICE, assert_within_budget
 

@@ -18,9 +18,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from llmkit.components.base import BuildContext
 from llmkit.components.ffn.swiglu import SwiGLU
 from llmkit.components.ffn.swiglu_triton import SwiGLUTriton
+from llmkit.contracts import BuildContext
 from llmkit.kernels import runtime
 from tests.kernels.common import BF16, CUDA, DEVICE, assert_within_budget
 

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch import Tensor
 
-from llmkit.components.base import AttentionKernel, BuildContext, ComponentOptions, DistanceBias
+from llmkit.contracts import AttentionKernel, BuildContext, ComponentOptions, DistanceBias
 
 
 class DenseAttentionOptions(ComponentOptions):

@@ -12,7 +12,7 @@ from __future__ import annotations
 from torch import Tensor
 
 from llmkit.components.attention.sdpa import sdpa_attention
-from llmkit.components.base import AttentionKernel, DistanceBias, NoOptions
+from llmkit.contracts import AttentionKernel, DistanceBias, NoOptions
 from llmkit.kernels import runtime
 
 NAME = "attention.flash"

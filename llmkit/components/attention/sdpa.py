@@ -14,7 +14,7 @@ from pydantic import Field
 from torch import Tensor
 
 from llmkit.components.attention.dense import attention_mask, check_shapes
-from llmkit.components.base import AttentionKernel, BuildContext, ComponentOptions, DistanceBias
+from llmkit.contracts import AttentionKernel, BuildContext, ComponentOptions, DistanceBias
 
 #: ``enable_gqa`` exists from torch 2.5 on.
 HAS_ENABLE_GQA: bool = torch.__version__ >= "2.5"

@@ -39,7 +39,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from llmkit.components.attention.dense import check_shapes
-from llmkit.components.base import AttentionKernel, BuildContext, ComponentOptions, DistanceBias
+from llmkit.contracts import AttentionKernel, BuildContext, ComponentOptions, DistanceBias
 from llmkit.kernels import runtime
 
 #: Component name used in runtime notices.
@@ -284,7 +284,7 @@ def sliding_window_attention(
 ) -> Tensor:
     """Causal attention of each query over its last ``window`` keys (itself included).
 
-    Same contract as :class:`~llmkit.components.base.AttentionKernel`: q (B, Hq, Tq, D),
+    Same contract as :class:`~llmkit.contracts.AttentionKernel`: q (B, Hq, Tq, D),
     k/v (B, Hkv, Tk, D), query i at key position Tk−Tq+i, ``key_padding_mask`` (B, Tk) True
     where a key may be attended, ``bias`` a per-head distance bias (its slopes get no
     gradient). Scores, softmax and the gradients' accumulation are fp32 (fp64 for fp64 inputs;

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import Field
 
-from llmkit.components.base import ComponentOptions
+from llmkit.contracts import ComponentOptions
 from llmkit.errors import LlmkitError
 
 if TYPE_CHECKING:

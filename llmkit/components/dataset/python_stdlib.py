@@ -10,7 +10,6 @@ from typing import TYPE_CHECKING
 
 from pydantic import Field
 
-from llmkit.components.base import ComponentOptions
 from llmkit.components.dataset import (
     dataset_dict,
     human_bytes,
@@ -18,6 +17,7 @@ from llmkit.components.dataset import (
     text_dataset,
     unit_hash,
 )
+from llmkit.contracts import ComponentOptions
 from llmkit.errors import LlmkitError
 
 if TYPE_CHECKING:

@@ -7,7 +7,6 @@ from typing import TYPE_CHECKING
 
 from pydantic import Field
 
-from llmkit.components.base import ComponentOptions
 from llmkit.components.dataset import (
     VALIDATION_NAMES,
     dataset_dict,
@@ -15,6 +14,7 @@ from llmkit.components.dataset import (
     seeded_split,
     select_text,
 )
+from llmkit.contracts import ComponentOptions
 from llmkit.errors import LlmkitError
 
 if TYPE_CHECKING:

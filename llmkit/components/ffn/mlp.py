@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch import Tensor, nn
 
-from llmkit.components.base import BuildContext, ComponentOptions, ffn_hidden
+from llmkit.contracts import BuildContext, ComponentOptions, ffn_hidden
 
 Activation = Literal["gelu", "gelu_tanh", "relu", "relu2", "silu"]
 

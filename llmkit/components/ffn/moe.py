@@ -25,7 +25,7 @@ default nothing is dropped (``capacity_factor = None``, Mixtral); capacity appli
 training only unless ``eval_capacity_factor`` is set, so in evaluation and generation the
 block is exactly position-wise and KV-cache decoding equals a full forward.
 
-**Side outputs** (through :class:`~llmkit.components.base.SideOutputs`; the model prefixes
+**Side outputs** (through :class:`~llmkit.contracts.SideOutputs`; the model prefixes
 them with the module path, e.g. ``layers.1.ffn.load_balance``):
 
 - losses: ``load_balance`` = load_balance_coef · E · Σ_i f_i · P_i with f_i the fraction of
@@ -52,10 +52,10 @@ import torch.nn.functional as F
 from pydantic import Field, field_validator, model_validator
 from torch import Tensor, nn
 
-from llmkit.components.base import BuildContext, ComponentOptions, SideOutputs, ffn_hidden
 from llmkit.components.ffn.geglu import GeGLU, GeGLUOptions
 from llmkit.components.ffn.mlp import ACTIVATIONS, MLP, MLPOptions
 from llmkit.components.ffn.swiglu import SwiGLU, SwiGLUOptions
+from llmkit.contracts import BuildContext, ComponentOptions, SideOutputs, ffn_hidden
 
 # -- options ----------------------------------------------------------------------------------
 

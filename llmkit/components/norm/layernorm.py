@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch import Tensor, nn
 
-from llmkit.components.base import BuildContext, ComponentOptions
+from llmkit.contracts import BuildContext, ComponentOptions
 
 
 class LayerNormOptions(ComponentOptions):

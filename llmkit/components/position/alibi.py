@@ -11,7 +11,7 @@ from typing import ClassVar
 
 import torch
 
-from llmkit.components.base import BuildContext, DistanceBias, NoOptions, PositionalScheme
+from llmkit.contracts import BuildContext, DistanceBias, NoOptions, PositionalScheme
 
 
 def alibi_slopes(n: int) -> list[float]:

@@ -9,7 +9,7 @@ from typing import ClassVar
 
 from torch import Tensor, nn
 
-from llmkit.components.base import BuildContext, NoOptions, PositionalScheme
+from llmkit.contracts import BuildContext, NoOptions, PositionalScheme
 
 
 class LearnedPosition(PositionalScheme):

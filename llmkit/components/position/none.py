@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from llmkit.components.base import BuildContext, NoOptions, PositionalScheme
+from llmkit.contracts import BuildContext, NoOptions, PositionalScheme
 
 
 class NoPosition(PositionalScheme):

@@ -23,7 +23,7 @@ import torch
 from pydantic import Field, model_validator
 from torch import Tensor
 
-from llmkit.components.base import BuildContext, ComponentOptions, PositionalScheme
+from llmkit.contracts import BuildContext, ComponentOptions, PositionalScheme
 
 
 class RotaryOptions(ComponentOptions):

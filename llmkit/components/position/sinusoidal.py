@@ -12,7 +12,7 @@ import torch
 from pydantic import Field
 from torch import Tensor
 
-from llmkit.components.base import BuildContext, ComponentOptions, PositionalScheme
+from llmkit.contracts import BuildContext, ComponentOptions, PositionalScheme
 
 
 class SinusoidalOptions(ComponentOptions):

@@ -30,7 +30,7 @@ from pydantic import Field
 from torch import Tensor, nn
 
 from llmkit.components.attention.sdpa import sdpa_attention
-from llmkit.components.base import AttentionKernel, BuildContext, ComponentOptions, DistanceBias
+from llmkit.contracts import AttentionKernel, BuildContext, ComponentOptions, DistanceBias
 
 
 class QKNormOptions(ComponentOptions):

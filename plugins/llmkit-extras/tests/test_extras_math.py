@@ -15,8 +15,8 @@ from llmkit_extras.rex import build as build_rex
 from llmkit_extras.rex import rex
 from llmkit_extras.scalenorm import ScaleNorm, ScaleNormOptions
 
-from llmkit.components.base import DistanceBias
 from llmkit.components.position.rope import RotaryOptions, RotaryPosition
+from llmkit.contracts import DistanceBias
 from llmkit.testing import reference_attention, small_context
 
 

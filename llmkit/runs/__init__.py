@@ -10,7 +10,7 @@ from typing import Any
 
 import yaml
 
-from llmkit.checkpoint import WEIGHTS, Checkpoints, load_weights
+from llmkit.runs.checkpoints import WEIGHTS, Checkpoints, load_weights
 from llmkit.errors import LlmkitError
 from llmkit.spec import ResolvedSpec, load_spec
 
@@ -60,7 +60,7 @@ def find_weights(path: Path, which: str = "final") -> tuple[Path, Path]:
 def load_run(path: str | Path, which: str = "final", device: str = "cpu") -> LoadedRun:
     """Rebuild the model of a run from its spec and load its weights and tokenizer."""
     from llmkit.model import build_model
-    from llmkit.tokenizer import Tokenizer
+    from llmkit.data.tokenizer import Tokenizer
 
     p = Path(path)
     if not p.exists():

@@ -361,7 +361,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def cmd_schema(args: argparse.Namespace) -> int:
-    from llmkit.schema import spec_schema
+    from llmkit.spec.schema import spec_schema
 
     text = json.dumps(spec_schema(_registry()), indent=2)
     if args.output:
@@ -477,7 +477,7 @@ def _ref(res: Any) -> str:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from llmkit.train import train
+    from llmkit.training import train
 
     sets = list(args.set or [])
     if args.max_steps is not None:
@@ -517,8 +517,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def _print_sample(run_dir: Any) -> None:
-    from llmkit.generate import Sampling
-    from llmkit.run import load_run
+    from llmkit.inference import Sampling
+    from llmkit.runs import load_run
 
     run = load_run(run_dir)
     t = run.spec.spec.train
@@ -540,7 +540,7 @@ def _complete(run: Any, prompt: str, sampling: Any) -> str:
     and, unless ``sampling.eos_id`` is set, runs across documents (EOS does not stop it)."""
     import dataclasses
 
-    from llmkit.generate import Generator
+    from llmkit.inference import Generator
 
     if not prompt and sampling.eos_id is None:
         sampling = dataclasses.replace(sampling, ignore_eos=True)
@@ -548,7 +548,7 @@ def _complete(run: Any, prompt: str, sampling: Any) -> str:
 
 
 def _sampling_from_args(args: argparse.Namespace) -> Any:
-    from llmkit.generate import Sampling
+    from llmkit.inference import Sampling
 
     beams = args.num_beams > 1
     sampling = Sampling(
@@ -609,8 +609,8 @@ def _interactive(gen: Any, sampling: Any, stream: bool) -> int:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from llmkit import hardware
-    from llmkit.generate import Generator
-    from llmkit.run import load_run
+    from llmkit.inference import Generator
+    from llmkit.runs import load_run
 
     sampling = _sampling_from_args(args)
     device = hardware.choose_device(args.device)
@@ -657,8 +657,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     import torch
 
     from llmkit import hardware
-    from llmkit.evaluate import evaluate_batches, full_text_batches
-    from llmkit.run import load_run
+    from llmkit.runs import load_run
+    from llmkit.training.evaluate import evaluate_batches, full_text_batches
 
     run = load_run(args.run, which=args.weights)
     device = hardware.choose_device(args.device)
@@ -701,7 +701,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         con.print(f"{res.nats_per_byte:.4f} nats/byte, {res.bits_per_byte:.4f} bits/byte")
     report = res.as_dict()
     if args.quantize:
-        from llmkit.quantize import quantize_model, weight_bytes
+        from llmkit.inference.quantize import quantize_model, weight_bytes
 
         try:
             qmodel = quantize_model(run.model, args.quantize)
@@ -740,7 +740,7 @@ def _bench_help(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_kernels(args: argparse.Namespace) -> int:
-    from llmkit.bench_kernels import run_cli
+    from llmkit.bench.kernels import run_cli
 
     return run_cli(args)
 
@@ -751,7 +751,7 @@ def cmd_bench_generate(args: argparse.Namespace) -> int:
     import torch
 
     from llmkit import hardware
-    from llmkit.bench_generate import bench_generate
+    from llmkit.bench.generation import bench_generate
 
     device = hardware.choose_device(args.device)
     if args.threads:
@@ -765,7 +765,7 @@ def cmd_bench_generate(args: argparse.Namespace) -> int:
         model = build_model(rs).to(device).eval()
         name = rs.spec.name or path.stem
     else:
-        from llmkit.run import load_run
+        from llmkit.runs import load_run
 
         if args.set:
             raise LlmkitError("--set applies to a spec file, not a run directory")
@@ -773,13 +773,13 @@ def cmd_bench_generate(args: argparse.Namespace) -> int:
         name = str(path)
     params = model.num_params()
     if args.quantize:
-        from llmkit.quantize import quantize_model
+        from llmkit.inference.quantize import quantize_model
 
         try:
             model = quantize_model(model, args.quantize)
         except ValueError as exc:
             raise LlmkitError(str(exc)) from exc
-    from llmkit.generate import prepare_for_decoding
+    from llmkit.inference import prepare_for_decoding
 
     prepare_for_decoding(model)
     try:
@@ -999,7 +999,7 @@ def build_parser() -> argparse.ArgumentParser:
         "over sequence lengths and head dims (attention) or token counts (ffn, norm): median "
         "time, TFLOP/s (GB/s for norms), peak memory and the ratios against a baseline. "
         "Prints a table and writes JSON and a PNG plot under --out. FLOP counts and the memory "
-        "measure are described in llmkit/bench_kernels.py.",
+        "measure are described in llmkit/bench/kernels.py.",
     )
     p.set_defaults(func=cmd_bench_kernels)
     p.add_argument("--kind", default="attention", help="attention (default), ffn or norm")
@@ -1120,11 +1120,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         code = 130
-    dist = sys.modules.get("llmkit.distributed")  # imported only by a training run
+    dist = sys.modules.get("llmkit.training.distributed")  # imported only by a training run
     if dist is not None:
         dist.exit_process(code)  # returns unless this process joined a process group
     return code
 
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())

@@ -17,8 +17,18 @@ from typing import Any
 
 import torch
 
-from llmkit import distributed, hardware
-from llmkit.checkpoint import (
+from llmkit import hardware
+from llmkit.errors import LlmkitError
+from llmkit.optim import set_lr_factor
+from llmkit.runs import (
+    METRICS_FILE,
+    PLOT_FILE,
+    RESOLVED_FILE,
+    SPEC_FILE,
+    TOKENIZER_FILE,
+    save_spec,
+)
+from llmkit.runs.checkpoints import (
     SHARDS,
     WEIGHTS,
     Checkpoints,
@@ -31,17 +41,8 @@ from llmkit.checkpoint import (
     set_rng_state,
     weight_shapes,
 )
-from llmkit.errors import LlmkitError
-from llmkit.optim import set_lr_factor
-from llmkit.run import (
-    METRICS_FILE,
-    PLOT_FILE,
-    RESOLVED_FILE,
-    SPEC_FILE,
-    TOKENIZER_FILE,
-    save_spec,
-)
 from llmkit.spec import ResolvedSpec, load_spec, load_spec_dict
+from llmkit.training import distributed
 
 
 class NonFiniteLoss(LlmkitError):
@@ -496,7 +497,7 @@ class Trainer:
 
     def _evaluate(self, history: list[dict[str, Any]]) -> float:
         from llmkit.data import eval_batches
-        from llmkit.evaluate import EvalResult, evaluate_batches
+        from llmkit.training.evaluate import EvalResult, evaluate_batches
 
         t = self.t
         dist = self.dist
@@ -589,7 +590,7 @@ class Trainer:
         return self._export
 
     def _finish(self, history: list[dict[str, Any]]) -> None:
-        from llmkit.checkpoint import save_weights
+        from llmkit.runs.checkpoints import save_weights
 
         model = self._full_model()
         if self.dist.is_main:
@@ -669,7 +670,7 @@ def train(
     progress: bool | None = None,
 ) -> TrainResult:
     """Train from a spec file, or resume the run in ``run_dir``."""
-    from llmkit.run import default_run_dir
+    from llmkit.runs import default_run_dir
 
     if resume:
         if run_dir is None:

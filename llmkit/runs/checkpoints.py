@@ -165,7 +165,7 @@ class Checkpoints:
         write_shards: Callable[[Path], None] | None = None,
     ) -> Path:
         """Write checkpoint ``step``. With ``dist`` (a multi-process
-        :class:`~llmkit.distributed.DistContext`) every rank calls this: rank 0 writes
+        :class:`~llmkit.training.distributed.DistContext`) every rank calls this: rank 0 writes
         ``model`` (its full weights) and ``state``, each rank its ``rank_state``, and
         ``write_shards(dir)`` runs on every rank (sharded model/optimizer state)."""
         main = dist is None or dist.is_main

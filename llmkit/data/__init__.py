@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from llmkit.data.tokenizer import Tokenizer, build_tokenizer
 from llmkit.errors import LlmkitError
-from llmkit.tokenizer import Tokenizer, build_tokenizer
 
 if TYPE_CHECKING:
     import datasets

@@ -19,7 +19,7 @@ What each record holds (:func:`bench_kernels` returns a list of dicts):
   - attention: forward ``4·B·H·D·P``, with ``P`` the attended (query, key) pairs:
     ``N²`` non-causal, ``N²/2`` causal, ``N·w − w²/2`` for a sliding window of ``W`` keys
     (``w = min(W, N)``; equals ``N²/2`` at ``w = N``). The window is read from the kernel's
-    ``cache_window`` (the :class:`~llmkit.components.base.AttentionKernel` contract), so any
+    ``cache_window`` (the :class:`~llmkit.contracts.AttentionKernel` contract), so any
     windowed kernel is counted the same way. Backward is 2.5× forward, so forward+backward is
     3.5×. Masked-out pairs a kernel computes anyway (a dense kernel's upper triangle, a
     block-local kernel's band edges) are not counted.
@@ -69,7 +69,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from llmkit.components.base import BuildContext
+from llmkit.contracts import BuildContext
 
 KINDS = ("attention", "ffn", "norm")
 MODES = ("fwd", "fwd+bwd")

@@ -739,7 +739,7 @@ class TextStream:
 
 
 class Generator:
-    """Generation from a run directory, a :class:`~llmkit.run.LoadedRun`, or a model and
+    """Generation from a run directory, a :class:`~llmkit.runs.LoadedRun`, or a model and
     tokenizer.
 
     ``sampling`` keyword arguments are the fields of :class:`Sampling`; a ``stop`` may be a
@@ -757,7 +757,7 @@ class Generator:
     ) -> None:
         owned = isinstance(model, str | Path)
         if owned:
-            from llmkit.run import load_run
+            from llmkit.runs import load_run
 
             model = load_run(model, device=str(device) if device else "cpu")
         if not isinstance(model, Transformer) and hasattr(model, "model"):  # a LoadedRun
@@ -766,7 +766,7 @@ class Generator:
         if device is not None:
             model = model.to(device)
         if quantize:
-            from llmkit.quantize import quantize_model
+            from llmkit.inference.quantize import quantize_model
 
             model = quantize_model(model, quantize)
             owned = True  # a copy

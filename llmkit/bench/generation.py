@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from llmkit.generate import (
+from llmkit.inference import (
     Sampling,
     _Context,
     _fit_layout,
@@ -37,8 +37,8 @@ from llmkit.generate import (
     _Row,
     _sample_steps,
 )
+from llmkit.inference.quantize import weight_bytes
 from llmkit.model import Transformer
-from llmkit.quantize import weight_bytes
 
 
 @dataclass

@@ -28,7 +28,7 @@ from torch import nn
 
 from llmkit.errors import LlmkitError
 
-log = logging.getLogger("llmkit.distributed")
+log = logging.getLogger("llmkit.training.distributed")
 
 #: Set once a process group was created here; ``exit_process`` then tears it down.
 _INITIALIZED = False

@@ -58,7 +58,7 @@ from typing import Any, NoReturn
 import torch
 from torch import Tensor, nn
 
-from llmkit.components.base import POSITION_SITES, BuildContext, DistanceBias, SideOutputs
+from llmkit.contracts import POSITION_SITES, BuildContext, DistanceBias, SideOutputs
 
 __all__ = [
     "KIND_CHECKS",
@@ -371,7 +371,7 @@ def _kernel_inputs(
 def check_attention(
     record: Record, options: Options = None, *, device: str | torch.device | None = None
 ) -> None:
-    """Check an attention kernel against the :class:`~llmkit.components.base.AttentionKernel`
+    """Check an attention kernel against the :class:`~llmkit.contracts.AttentionKernel`
     contract (see the module docstring for the list)."""
     dev = _device(record, device)
     caps = _capabilities(record)
@@ -385,7 +385,7 @@ def check_attention(
     _expect(
         hasattr(module, "cache_window"),
         record,
-        "has no cache_window attribute (subclass llmkit.components.base.AttentionKernel)",
+        "has no cache_window attribute (subclass llmkit.contracts.AttentionKernel)",
     )
     window = module.cache_window
     _expect(
@@ -864,7 +864,7 @@ def check_norm(
 def check_position(
     record: Record, options: Options = None, *, device: str | torch.device | None = None
 ) -> None:
-    """Check a positional scheme against :class:`~llmkit.components.base.PositionalScheme`."""
+    """Check a positional scheme against :class:`~llmkit.contracts.PositionalScheme`."""
     dev = _device(record, device)
     caps = _capabilities(record)
     ctx = small_context()
@@ -873,7 +873,7 @@ def check_position(
         _expect(
             callable(getattr(module, method, None)),
             record,
-            f"has no {method}() method (subclass llmkit.components.base.PositionalScheme)",
+            f"has no {method}() method (subclass llmkit.contracts.PositionalScheme)",
         )
     acts = frozenset(getattr(module, "acts_on", frozenset()))
     declared = frozenset(caps.get("acts_on", []))
@@ -1319,7 +1319,7 @@ def check_options_model(record: Record, options: Options = None) -> None:
     _fail(
         record,
         f"its options model {model.__name__} accepts unknown keys; forbid them "
-        "(subclass llmkit.components.base.ComponentOptions)",
+        "(subclass llmkit.contracts.ComponentOptions)",
     )
 
 

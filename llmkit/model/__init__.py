@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from llmkit.components.base import (
+from llmkit.contracts import (
     AttentionKernel,
     BuildContext,
     PositionalScheme,

@@ -281,7 +281,7 @@ _ATTENTION = '''\
 
 An attention *kernel*: the model's attention module owns the projections, the positional
 scheme and the KV cache, and calls the kernel on per-head tensors. The contract
-(``llmkit.components.base.AttentionKernel``, checked by the conformance suite):
+(``llmkit.contracts.AttentionKernel``, checked by the conformance suite):
 
 - q (B, Hq, Tq, D); k and v (B, Hkv, Tk, D), Tk ≥ Tq; return (B, Hq, Tq, D) in q's dtype.
 - Query i sits at key position Tk − Tq + i (bottom-right alignment, how a KV cache presents
@@ -297,7 +297,7 @@ from __future__ import annotations
 import math
 
 import torch
-from llmkit.components.base import AttentionKernel, BuildContext, ComponentOptions, DistanceBias
+from llmkit.contracts import AttentionKernel, BuildContext, ComponentOptions, DistanceBias
 from pydantic import Field
 from torch import Tensor
 
@@ -361,7 +361,7 @@ on. A linear layer named ``out_proj`` gets GPT-2's scaled residual initializatio
 from __future__ import annotations
 
 import torch.nn.functional as F
-from llmkit.components.base import BuildContext, ComponentOptions
+from llmkit.contracts import BuildContext, ComponentOptions
 from pydantic import Field
 from torch import Tensor, nn
 
@@ -401,7 +401,7 @@ cast back, so bfloat16 training stays accurate). Built as ``$cls(options, ctx)``
 from __future__ import annotations
 
 import torch
-from llmkit.components.base import BuildContext, ComponentOptions
+from llmkit.contracts import BuildContext, ComponentOptions
 from pydantic import Field
 from torch import Tensor, nn
 
@@ -443,7 +443,7 @@ from __future__ import annotations
 from typing import ClassVar
 
 import torch
-from llmkit.components.base import BuildContext, ComponentOptions, PositionalScheme
+from llmkit.contracts import BuildContext, ComponentOptions, PositionalScheme
 from pydantic import Field
 from torch import Tensor
 
