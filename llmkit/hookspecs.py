@@ -22,11 +22,22 @@ hookimpl = pluggy.HookimplMarker(PROJECT)
 def register_kinds(register: Callable[..., None]) -> None:
     """Declare new component kinds.
 
-    Call ``register(name, summary, *, contract=None)`` once per kind: ``name`` is the kind's
-    identifier used in specs and ``llmkit list``; ``summary`` one line for listings;
-    ``contract`` an optional ``"module:attr"`` naming a base class or protocol that the kind's
-    components follow. Built-in kinds (attention, ffn, norm, position, optimizer, schedule,
-    dataset) are declared through this same hook by llmkit's built-in plugin.
+    Call ``register(name, summary, **fields)`` once per kind. ``name`` is the kind's
+    identifier used in ``llmkit list``; ``summary`` one line for listings. The optional fields
+    give the kind its meaning everywhere in llmkit (see :class:`llmkit.registry.Kind`):
+
+    - ``section``: dotted spec path of the table choosing the component, e.g. ``"train.loss"``
+      (the spec and its JSON Schema gain that table);
+    - ``default``: the component used when the table names none (None: the table is optional);
+    - ``per_layer``: selectable per layer in ``model.overrides`` (``model.<slot>`` sections);
+    - ``build``: the build signature its components follow (shown by ``llmkit show``);
+    - ``contract``: ``"module:attr"`` of a base class or protocol its components follow;
+    - ``check``: ``"module:attr"`` of its conformance check ``check(record, options, *, device)``;
+    - ``template``: ``"package:dir"`` of its ``llmkit plugin new --kind`` template;
+    - ``bench``: ``"module:attr"`` of its ``llmkit bench kernels`` adapter.
+
+    Built-in kinds (attention, ffn, norm, position, optimizer, schedule, dataset) are
+    declared through this same hook by llmkit's built-in plugin.
     """
 
 

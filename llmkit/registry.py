@@ -112,10 +112,48 @@ class Component:
 
 @dataclass
 class Kind:
+    """A kind of component, and everything that gives it meaning.
+
+    The spec, its JSON Schema, ``llmkit plugin new``, the conformance suite, ``llmkit bench
+    kernels`` and ``llmkit info`` read these fields instead of lists of kind names, so a kind
+    a plugin declares gets each of them by filling the field in.
+    """
+
     name: str
     summary: str
-    contract: str | None = None
+    contract: str | None = None  # "module:attr" of the base class/protocol components follow
     provider: str = "?"
+    #: Dotted spec path of the table that chooses this kind's component: ``"model.ffn"``,
+    #: ``"optimizer"``, ``"data.source"``, ``"train.loss"``. None: not chosen in a spec.
+    section: str | None = None
+    #: The component used when the table is absent or has no ``name``; None makes the
+    #: section optional (absent = no component of this kind).
+    default: str | None = None
+    #: Selectable per layer in ``model.overrides`` (only for ``model.*`` sections).
+    per_layer: bool = False
+    #: The build signature its components follow, for documentation and ``llmkit show``.
+    build: str = ""
+    #: ``"module:attr"`` of its conformance check ``check(record, options, *, device)``.
+    check: str | None = None
+    #: ``"package:relative/dir"`` of its ``llmkit plugin new --kind`` template directory.
+    template: str | None = None
+    #: ``"module:attr"`` of its ``llmkit bench kernels`` adapter.
+    bench: str | None = None
+
+    @property
+    def slot(self) -> str | None:
+        """The last part of ``section`` (``"ffn"`` for ``"model.ffn"``)."""
+        return self.section.rpartition(".")[2] if self.section else None
+
+    def load_check(self) -> Any:
+        """The conformance check, or None when the kind has none (imported on use)."""
+        return import_target(self.check) if self.check else None
+
+    def load_bench(self) -> Any:
+        """The benchmark adapter, or None when the kind has none (imported on use)."""
+        return import_target(self.bench) if self.bench else None
+
+
 
 
 @dataclass
@@ -271,13 +309,39 @@ class Registry:
             raise PluginError(f"plugin {info.name!r} ({info.distribution}) failed: {error}")
 
     def _kind_registrar(self, info: PluginInfo) -> Callable[..., None]:
-        def register(name: str, summary: str, *, contract: str | None = None) -> None:
+        def register(
+            name: str,
+            summary: str,
+            *,
+            contract: str | None = None,
+            section: str | None = None,
+            default: str | None = None,
+            per_layer: bool = False,
+            build: str = "",
+            check: str | None = None,
+            template: str | None = None,
+            bench: str | None = None,
+        ) -> None:
             if name in self.kinds and self.kinds[name].provider != info.distribution:
                 raise RegistryError(
                     f"kind {name!r} is declared by both {self.kinds[name].provider} "
                     f"and {info.distribution}"
                 )
-            self.kinds[name] = Kind(name, summary, contract, info.distribution)
+            kind = Kind(
+                name,
+                summary,
+                contract,
+                info.distribution,
+                section,
+                default,
+                per_layer,
+                build,
+                check,
+                template,
+                bench,
+            )
+            _check_kind(kind, self.kinds)
+            self.kinds[name] = kind
 
         return register
 
@@ -383,6 +447,29 @@ class Registry:
 
     def failures(self) -> list[PluginInfo]:
         return [p for p in self.plugins.values() if p.error]
+
+
+def _check_kind(kind: Kind, others: dict[str, Kind]) -> None:
+    """A kind's section must be a dotted identifier path, unique among kinds; per-layer
+    kinds live under ``model``."""
+    if kind.section is None:
+        if kind.per_layer or kind.default is not None:
+            raise RegistryError(f"kind {kind.name!r}: per_layer and default need a section")
+        return
+    parts = kind.section.split(".")
+    if not all(p.isidentifier() for p in parts):
+        raise RegistryError(f"kind {kind.name!r}: bad section {kind.section!r}")
+    if kind.per_layer and (len(parts) != 2 or parts[0] != "model"):
+        raise RegistryError(
+            f"kind {kind.name!r}: a per-layer kind's section is 'model.<slot>', "
+            f"not {kind.section!r}"
+        )
+    for other in others.values():
+        if other.name != kind.name and other.section == kind.section:
+            raise RegistryError(
+                f"kind {kind.name!r}: section {kind.section!r} is already kind "
+                f"{other.name!r}'s ({other.provider})"
+            )
 
 
 def _doc_line(target: Any) -> str:

@@ -23,8 +23,8 @@ def catalogue() -> dict[str, Any]:
 
 @hookimpl
 def register_kinds(register: Callable[..., None]) -> None:
-    for name, summary in catalogue()["kinds"].items():
-        register(name, summary)
+    for name, fields in catalogue()["kinds"].items():
+        register(name, **fields)
 
 
 @hookimpl
