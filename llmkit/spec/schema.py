@@ -12,9 +12,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import Field, create_model
 
-from llmkit.spec import DEFAULT_COMPONENTS, DataSpec, LayerOverride, ModelSpec, Spec
-
-KINDS = ("attention", "ffn", "norm", "position", "optimizer", "schedule", "dataset")
+from llmkit.spec.sections import spec_model
 
 
 def _ident(text: str) -> str:
@@ -41,36 +39,17 @@ def ref_type(registry: Any, kind: str) -> Any:
 
 
 def spec_schema(registry: Any) -> dict[str, Any]:
-    """The JSON Schema (draft 2020-12) of a spec file, after ``extends`` is applied."""
-    refs = {kind: ref_type(registry, kind) for kind in KINDS if kind in registry.kinds}
-    slot = {k: refs[k] for k in ("attention", "ffn", "norm", "position")}
-    dflt = DEFAULT_COMPONENTS
-    override = create_model(
-        "LayerOverride",
-        __base__=LayerOverride,
-        **{k: (v | None, None) for k, v in slot.items()},
-    )
-    model = create_model(
-        "ModelSpec",
-        __base__=ModelSpec,
-        overrides=(list[override], Field(default_factory=list)),
-        **{k: (v, Field(default={"name": dflt[k]})) for k, v in slot.items()},
-    )
-    data = DataSpec
-    if "dataset" in refs:
-        data = create_model(
-            "DataSpec",
-            __base__=DataSpec,
-            source=(refs["dataset"], Field(default={"name": dflt["source"]})),
-        )
-    spec = create_model(
-        "Spec",
-        __base__=Spec,
-        model=(model, ...),
-        optimizer=(refs["optimizer"], Field(default={"name": "adamw"})),
-        schedule=(refs["schedule"], Field(default={"name": "cosine"})),
-        data=(data, Field(default_factory=dict)),
-    )
+    """The JSON Schema (draft 2020-12) of a spec file, after ``extends`` is applied: one
+    table per kind's section, each a union of that kind's registered components."""
+
+    def ref(kind: Any, optional: bool) -> tuple[Any, Any]:
+        union = ref_type(registry, kind.name)
+        desc = f"{kind.summary} (see `llmkit list {kind.name}`)."
+        if optional:
+            return union | None, Field(None, description=desc)
+        return union, Field(default={"name": kind.default}, description=desc)
+
+    spec = spec_model(registry, ref, prefix="Schema")
     schema = spec.model_json_schema()
     schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
     schema["title"] = "llmkit spec"

@@ -1,0 +1,198 @@
+"""The outer structure of a spec file (pass one), as pydantic models.
+
+Component tables (``model.attention``, ``optimizer``, ``data.source``, ``train.loss``…) are
+not fields here: each kind declares its section in the registry, and
+:mod:`llmkit.spec.sections` adds one field per declared section to these models.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ComponentRef(BaseModel):
+    """``{ name = "...", <options> }``: options are checked in pass two."""
+
+    model_config = ConfigDict(extra="allow")
+    name: str = Field(description="Registered component name (see `llmkit list KIND`).")
+
+    @property
+    def options(self) -> dict[str, Any]:
+        return dict(self.model_extra or {})
+
+
+LayerSelector = list[int] | str
+
+
+class LayerOverride(Strict):
+    """Replace components on selected layers.
+
+    ``layers``: a list of indices (negative counts from the end), or a slice string
+    ``"start:stop:step"`` such as ``"2:"`` (layer 2 on) or ``"::2"`` (every other layer).
+    """
+
+    layers: LayerSelector = Field(description="Indices [0, 3] or a slice 'start:stop:step'.")
+
+
+class ModelSpec(Strict):
+    """The architecture."""
+
+    vocab_size: int = Field(50304, gt=0, description="Vocabulary size (embedding rows).")
+    d_model: int = Field(gt=0, description="Residual-stream width.")
+    n_layers: int = Field(gt=0, description="Number of Transformer blocks.")
+    n_heads: int = Field(gt=0, description="Query heads.")
+    n_kv_heads: int | None = Field(
+        None, gt=0, description="Key/value heads (GQA; 1 = MQA); default n_heads."
+    )
+    head_dim: int | None = Field(None, gt=0, description="Per-head size; default d_model/n_heads.")
+    max_seq_len: int = Field(1024, gt=0, description="Longest context the model is built for.")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Embedding and residual dropout.")
+    bias: bool = Field(True, description="Biases in linear layers (and norms that take one).")
+    tie_embeddings: bool = Field(True, description="Share input embedding and output head.")
+    norm_placement: Literal["pre", "post"] = Field("pre", description="Pre-LN or post-LN blocks.")
+    final_norm: bool = Field(True, description="A norm before the output head.")
+    init_std: float = Field(0.02, gt=0, description="Std of the normal weight init.")
+    scaled_residual_init: bool = Field(
+        True, description="Scale residual output projections by 1/sqrt(2·n_layers) (GPT-2)."
+    )
+    overrides: list[LayerOverride] = Field(
+        default_factory=list, description="Per-layer component replacements."
+    )
+
+    @model_validator(mode="after")
+    def _heads(self) -> ModelSpec:
+        kv = self.n_kv_heads or self.n_heads
+        if self.n_heads % kv:
+            raise ValueError(f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({kv})")
+        if self.head_dim is None and self.d_model % self.n_heads:
+            raise ValueError(
+                f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads}) "
+                "unless head_dim is given"
+            )
+        return self
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def dim_head(self) -> int:
+        return self.head_dim or self.d_model // self.n_heads
+
+
+class TokenizerSpec(Strict):
+    """How text becomes token ids."""
+
+    kind: Literal["bpe", "char"] = Field(
+        "bpe", description="Byte-level BPE trained on the corpus, or one token per character."
+    )
+    path: str | None = Field(
+        None, description="A pre-trained tokenizer.json to use instead of training one."
+    )
+    vocab_size: int | None = Field(
+        None, gt=0, description="BPE vocabulary size; default model.vocab_size."
+    )
+    special_tokens: list[str] = Field(
+        default_factory=lambda: ["<|endoftext|>"],
+        description="Special tokens; the first one separates documents.",
+    )
+    min_frequency: int = Field(2, ge=1, description="BPE: minimum pair frequency to merge.")
+    train_bytes: int | None = Field(
+        20_000_000, gt=0, description="Train the tokenizer on at most this much text."
+    )
+
+    @field_validator("special_tokens")
+    @classmethod
+    def _distinct_tokens(cls, tokens: list[str]) -> list[str]:
+        if any(not t for t in tokens):
+            raise ValueError("a special token cannot be empty")
+        if len(set(tokens)) != len(tokens):
+            raise ValueError(f"special tokens must be distinct, got {tokens}")
+        return tokens
+
+
+class DataSpec(Strict):
+    """Where the corpus comes from and how it is cut into blocks."""
+
+    block_size: int | None = Field(
+        None, gt=0, description="Tokens per training sequence; default model.max_seq_len."
+    )
+    cache_dir: str | None = Field(
+        None, description="Where tokenized data is cached; default <run>/data."
+    )
+    num_proc: int = Field(1, ge=1, description="Processes for tokenization (datasets.map).")
+    sampling: Literal["packed", "random"] = Field(
+        "packed",
+        description="packed: every block once per epoch (grid shifted in later epochs); "
+        "random: windows starting anywhere, drawn independently (as nanoGPT).",
+    )
+
+
+class TrainSpec(Strict):
+    """The training recipe besides optimizer and schedule."""
+
+    batch_size: int = Field(
+        16, gt=0, description="Sequences per micro-batch on each process (rank)."
+    )
+    grad_accum: int = Field(1, gt=0, description="Micro-batches per optimizer step.")
+    max_steps: int = Field(1000, gt=0, description="Optimizer steps (the schedule's length).")
+    max_time: float | None = Field(None, gt=0, description="Stop after this many seconds.")
+    grad_clip: float | None = Field(1.0, gt=0, description="Clip the global grad norm; none=off.")
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = Field(
+        "auto", description="auto = bf16 autocast where the hardware has it, else fp32."
+    )
+    device: str = Field("auto", description="auto (cuda, mps, cpu) or a torch device string.")
+    compile: bool = Field(False, description="Wrap the model in torch.compile.")
+    activation_checkpointing: bool = Field(
+        False, description="Recompute each block's activations in backward."
+    )
+    seed: int = Field(1337, ge=0, lt=2**63, description="Seeds init, data order and dropout.")
+    eval_interval: int = Field(250, gt=0, description="Evaluate every N steps (and at the end).")
+    eval_batches: int = Field(20, gt=0, description="Validation batches per evaluation.")
+    log_interval: int = Field(10, gt=0, description="Write a metrics line every N steps.")
+    checkpoint_interval: int | None = Field(
+        None, gt=0, description="Checkpoint every N steps; default eval_interval."
+    )
+    early_stopping_patience: int | None = Field(
+        None, gt=0, description="Stop after N evaluations without a better val loss."
+    )
+    on_nonfinite: Literal["stop", "skip"] = Field(
+        "stop", description="A non-finite loss stops the run, or the step is skipped."
+    )
+    sample_tokens: int = Field(200, ge=0, description="Tokens of the sample printed at the end.")
+    sample_prompt: str = Field("", description="Prompt of the sample printed at the end.")
+    parallel: Literal["auto", "none", "ddp", "fsdp"] = Field(
+        "auto",
+        description="Under torchrun: ddp (replicas) or fsdp (FSDP2 sharding); auto = ddp "
+        "when launched on several processes. One process trains plainly.",
+    )
+    fsdp_cpu_offload: bool = Field(
+        False, description="FSDP: keep parameters, gradients and optimizer state on the CPU."
+    )
+    fsdp_reshard_after_forward: bool = Field(
+        True, description="FSDP: free gathered parameters after forward (less memory)."
+    )
+    dist_timeout: float = Field(
+        600.0, gt=0, description="Seconds a collective may wait before the job fails."
+    )
+
+
+class Spec(Strict):
+    """A whole spec file: architecture plus training recipe."""
+
+    name: str | None = Field(None, description="A name for this spec.")
+    description: str | None = None
+    extends: str | None = Field(None, description="A spec file (relative path) or preset name.")
+    requires: list[str] = Field(
+        default_factory=list, description="Distributions needed, e.g. 'llmkit-foo>=0.2'."
+    )
+    model: ModelSpec
+    tokenizer: TokenizerSpec = Field(default_factory=TokenizerSpec)
+    data: DataSpec = Field(default_factory=DataSpec)
+    train: TrainSpec = Field(default_factory=TrainSpec)

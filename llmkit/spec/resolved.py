@@ -1,0 +1,108 @@
+"""The resolved form of a spec: every component table bound to its registry record."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from llmkit.spec.models import ModelSpec, Spec
+from llmkit.spec.sections import set_at
+
+
+@dataclass
+class Resolved:
+    """A component reference resolved to its registry record and validated options."""
+
+    kind: str
+    record: Any  # llmkit.registry.Component
+    options: Any  # the component's Options instance
+
+    @property
+    def name(self) -> str:
+        return self.record.name
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, **self.options.model_dump(mode="json")}
+
+    def build(self, *args: Any, **kwargs: Any) -> Any:
+        return self.record.load()(*args, **kwargs)
+
+
+class LayerPlan:
+    """The components of one layer by slot: ``attention``, ``ffn``, ``norm``, ``position``
+    and any per-layer kind a plugin declares, each readable as an attribute."""
+
+    def __init__(self, slots: dict[str, Resolved] | None = None, **named: Resolved) -> None:
+        self.slots: dict[str, Resolved] = {**(slots or {}), **named}
+
+    def __getattr__(self, name: str) -> Resolved:
+        slots = self.__dict__.get("slots", {})
+        if name in slots:
+            return slots[name]
+        raise AttributeError(f"this layer has no {name!r} component (slots: {', '.join(slots)})")
+
+    def get(self, slot: str) -> Resolved | None:
+        """The layer's component in ``slot``, or None when no kind has that slot."""
+        return self.slots.get(slot)
+
+    def __repr__(self) -> str:
+        return f"LayerPlan({', '.join(f'{k}={v.name}' for k, v in self.slots.items())})"
+
+
+@dataclass
+class ResolvedSpec:
+    """The spec with every component resolved, and the component of every layer.
+
+    ``model_slots`` holds the model-wide choice of each per-layer kind (``position`` is the
+    embedding-site scheme, ``norm`` the final norm); ``components`` holds every other kind's
+    component by its spec section (``"optimizer"``, ``"data.source"``, ``"train.loss"``).
+    """
+
+    spec: Spec
+    layers: list[LayerPlan]
+    model_slots: dict[str, Resolved]
+    components: dict[str, Resolved]
+    source: str | None = None
+    raw: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def model(self) -> ModelSpec:
+        return self.spec.model
+
+    @property
+    def position(self) -> Resolved:
+        return self.model_slots["position"]
+
+    @property
+    def norm(self) -> Resolved:
+        return self.model_slots["norm"]
+
+    @property
+    def optimizer(self) -> Resolved:
+        return self.components["optimizer"]
+
+    @property
+    def schedule(self) -> Resolved:
+        return self.components["schedule"]
+
+    @property
+    def dataset(self) -> Resolved | None:
+        return self.component("dataset")
+
+    def component(self, kind: str) -> Resolved | None:
+        """The spec's component of a kind that is not chosen per layer (None if absent)."""
+        return next((r for r in self.components.values() if r.kind == kind), None)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fully resolved spec: defaults filled, one entry per layer."""
+        out = self.spec.model_dump(mode="json", exclude={"extends"}, exclude_none=True)
+        m = out["model"]
+        for slot, res in self.model_slots.items():
+            m[slot] = res.to_dict()
+        m["n_kv_heads"] = self.model.kv_heads
+        m["head_dim"] = self.model.dim_head
+        m["layers"] = [{s: r.to_dict() for s, r in plan.slots.items()} for plan in self.layers]
+        m.pop("overrides", None)
+        for section, res in self.components.items():
+            set_at(out, section, res.to_dict())
+        return out
