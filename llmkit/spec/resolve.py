@@ -202,7 +202,7 @@ def resolve(data: dict[str, Any], source: str | None = None, registry: Any = Non
     layers: list[LayerPlan] = []
     if spec is not None and not problems:
         for j, chosen_slots in enumerate(per_layer):
-            plan = LayerPlan(chosen_slots)  # type: ignore[arg-type]
+            plan = LayerPlan({s: v for s, v in chosen_slots.items() if v is not None})
             problems += _compatibility(plan, base["position"], j)  # type: ignore[arg-type]
             layers.append(plan)
         problems += _dimension_checks(spec.model, layers)
@@ -217,7 +217,7 @@ def resolve(data: dict[str, Any], source: str | None = None, registry: Any = Non
     return ResolvedSpec(
         spec=spec,
         layers=layers,
-        model_slots=base,  # type: ignore[arg-type]
+        model_slots={s: v for s, v in base.items() if v is not None},
         components=components,  # type: ignore[arg-type]
         source=source,
         raw=data,

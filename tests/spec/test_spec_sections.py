@@ -131,3 +131,22 @@ def test_a_section_taken_by_another_kind_is_refused_at_registration():
     reg = registry_with(Twice())
     (failed,) = reg.failures()
     assert "section 'optimizer' is already kind 'optimizer'" in failed.error
+
+
+def test_an_optional_per_layer_kind_fills_only_the_layers_that_name_it():
+    class Optional:
+        @hookimpl
+        def register_kinds(self, register):
+            register("hook", "A q/k transform", section="model.hook", per_layer=True)
+
+        @hookimpl
+        def register_components(self, register):
+            register("hook", "on", Widget)
+
+    reg = registry_with(Optional())
+    spec = tiny_spec(n_layers=3, overrides=[{"layers": "1:", "hook": {"name": "on"}}])
+    rs = load_spec_dict(spec, registry=reg)
+    assert [plan.get("hook") and plan.hook.name for plan in rs.layers] == [None, "on", "on"]
+    assert "hook" not in rs.model_slots
+    assert "hook" not in rs.to_dict()["model"]["layers"][0]
+
