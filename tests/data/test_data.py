@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 import torch
 
-from llmkit import data as data_mod
 from llmkit.data import (
     BlockSampler,
     TokenFile,
@@ -20,6 +19,7 @@ from llmkit.data import (
     token_dtype,
     write_token_file,
 )
+from llmkit.data import prepare as data_prepare
 from llmkit.errors import LlmkitError
 from llmkit.spec import load_spec_dict
 from tests.helpers import tiny_spec
@@ -111,7 +111,7 @@ def test_prepare_reuses_token_files(corpus: Path, tmp_path: Path, monkeypatch) -
     def boom(*args: Any, **kwargs: Any) -> None:
         raise AssertionError("tokenized again")
 
-    monkeypatch.setattr(data_mod, "tokenize_split", boom)
+    monkeypatch.setattr(data_prepare, "tokenize_split", boom)
     second = prepare_data(rs, tmp_path / "run", log=quiet)
     assert second.train.path == first.train.path and second.key == first.key
     assert {p: p.stat().st_mtime_ns for p in mtimes} == mtimes
