@@ -1,9 +1,171 @@
 """llmkit: build language models from interchangeable, registry-resolved components.
 
-Importing this package is cheap (no torch): the public plugin API is ``llmkit.hookimpl``.
+The public API is what ``__all__`` lists, imported as ``from llmkit import name``:
+
+- plugin hooks: ``hookimpl``; ``__version__``;
+- contracts: ``ComponentOptions``, ``NoOptions``, ``BuildContext``, ``SideOutputs``,
+  ``DistanceBias``, ``AttentionKernel``, ``PositionalScheme``, ``ffn_hidden``,
+  ``POSITION_SITES`` (:mod:`llmkit.contracts`);
+- attention ops: ``reference_attention`` (the one reference every kernel matches),
+  ``sdpa_attention``, ``check_shapes``, ``attention_mask`` (:mod:`llmkit.ops`);
+- optimizers and schedules: ``OptimizerOptions``, ``ScheduleOptions``, ``WarmupOptions``,
+  ``Beta``, ``param_groups_for``, ``set_initial_lr``, ``set_lr_factor``, ``check_steps``,
+  ``linear_warmup``, ``decay_curve`` (:mod:`llmkit.optim`);
+- errors: ``LlmkitError``, ``SpecError``, ``RegistryError``, ``PluginError``;
+- the registry: ``Registry``, ``get_registry``, ``reset_registry``, ``Kind``, ``Component``;
+- specs and models: ``load_spec``, ``load_spec_dict``, ``resolve``, ``ResolvedSpec``,
+  ``build_model``, ``Transformer``, ``ModelOutput``;
+- the command line: ``cli_main(argv) -> exit code`` (what the ``llmkit`` script runs).
+
+One public module besides: :mod:`llmkit.testing`, the conformance suite plugin authors run in
+their own CI. Everything else (``llmkit.components.*``, ``llmkit.kernels.*``, ``llmkit.cli``
+and the other subpackages) is internal and may change between releases; built-in components
+are reached through the registry, never imported.
+
+Importing this package is cheap: only ``hookimpl`` (pluggy) loads eagerly; every other name
+imports its module on first access (PEP 562), so ``llmkit --help`` never imports torch.
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from llmkit.hookspecs import hookimpl
 
+if TYPE_CHECKING:  # what the lazy names are, for type checkers and IDEs
+    from llmkit.cli import main as cli_main
+    from llmkit.contracts import (
+        POSITION_SITES,
+        AttentionKernel,
+        BuildContext,
+        ComponentOptions,
+        DistanceBias,
+        NoOptions,
+        PositionalScheme,
+        SideOutputs,
+        ffn_hidden,
+    )
+    from llmkit.errors import LlmkitError, PluginError, RegistryError, SpecError
+    from llmkit.model import ModelOutput, Transformer, build_model
+    from llmkit.ops import attention_mask, check_shapes, reference_attention, sdpa_attention
+    from llmkit.optim import (
+        Beta,
+        OptimizerOptions,
+        ScheduleOptions,
+        WarmupOptions,
+        check_steps,
+        decay_curve,
+        linear_warmup,
+        param_groups_for,
+        set_initial_lr,
+        set_lr_factor,
+    )
+    from llmkit.registry import Component, Kind, Registry, get_registry, reset_registry
+    from llmkit.spec import ResolvedSpec, load_spec, load_spec_dict, resolve
+
 __version__ = "0.1.0"
-__all__ = ["__version__", "hookimpl"]
+
+#: Public name → the module that defines it (``"module:attribute"`` where the name differs).
+_LAZY: dict[str, str] = {
+    "POSITION_SITES": "llmkit.contracts",
+    "AttentionKernel": "llmkit.contracts",
+    "BuildContext": "llmkit.contracts",
+    "ComponentOptions": "llmkit.contracts",
+    "DistanceBias": "llmkit.contracts",
+    "NoOptions": "llmkit.contracts",
+    "PositionalScheme": "llmkit.contracts",
+    "SideOutputs": "llmkit.contracts",
+    "ffn_hidden": "llmkit.contracts",
+    "attention_mask": "llmkit.ops",
+    "check_shapes": "llmkit.ops",
+    "reference_attention": "llmkit.ops",
+    "sdpa_attention": "llmkit.ops",
+    "Beta": "llmkit.optim",
+    "OptimizerOptions": "llmkit.optim",
+    "ScheduleOptions": "llmkit.optim",
+    "WarmupOptions": "llmkit.optim",
+    "check_steps": "llmkit.optim",
+    "decay_curve": "llmkit.optim",
+    "linear_warmup": "llmkit.optim",
+    "param_groups_for": "llmkit.optim",
+    "set_initial_lr": "llmkit.optim",
+    "set_lr_factor": "llmkit.optim",
+    "LlmkitError": "llmkit.errors",
+    "PluginError": "llmkit.errors",
+    "RegistryError": "llmkit.errors",
+    "SpecError": "llmkit.errors",
+    "Component": "llmkit.registry",
+    "Kind": "llmkit.registry",
+    "Registry": "llmkit.registry",
+    "get_registry": "llmkit.registry",
+    "reset_registry": "llmkit.registry",
+    "ResolvedSpec": "llmkit.spec",
+    "load_spec": "llmkit.spec",
+    "load_spec_dict": "llmkit.spec",
+    "resolve": "llmkit.spec",
+    "ModelOutput": "llmkit.model",
+    "Transformer": "llmkit.model",
+    "build_model": "llmkit.model",
+    "cli_main": "llmkit.cli:main",
+}
+
+__all__ = [
+    "POSITION_SITES",
+    "AttentionKernel",
+    "Beta",
+    "BuildContext",
+    "Component",
+    "ComponentOptions",
+    "DistanceBias",
+    "Kind",
+    "LlmkitError",
+    "ModelOutput",
+    "NoOptions",
+    "OptimizerOptions",
+    "PluginError",
+    "PositionalScheme",
+    "Registry",
+    "RegistryError",
+    "ResolvedSpec",
+    "ScheduleOptions",
+    "SideOutputs",
+    "SpecError",
+    "Transformer",
+    "WarmupOptions",
+    "__version__",
+    "attention_mask",
+    "build_model",
+    "check_shapes",
+    "check_steps",
+    "cli_main",
+    "decay_curve",
+    "ffn_hidden",
+    "get_registry",
+    "hookimpl",
+    "linear_warmup",
+    "load_spec",
+    "load_spec_dict",
+    "param_groups_for",
+    "reference_attention",
+    "reset_registry",
+    "resolve",
+    "sdpa_attention",
+    "set_initial_lr",
+    "set_lr_factor",
+]
+
+
+def __getattr__(name: str) -> Any:
+    """Import a public name's module on first access and cache the name here."""
+    target = _LAZY.get(name)
+    if target is None:
+        raise AttributeError(f"module 'llmkit' has no attribute {name!r}")
+    module, _, attr = target.partition(":")
+    value = getattr(importlib.import_module(module), attr or name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -6,6 +6,10 @@ Every model component (attention kernel, ffn, norm, position) is an ``nn.Module`
 Optimizers are built as ``build(model, options)`` (every param group carries
 ``initial_lr``) and schedules as ``build(options, total_steps=...)`` returning the lr
 factor for a 0-based step (``llmkit.optim.set_lr_factor`` applies it).
+
+This is the bottom layer, with :mod:`llmkit.ops`, :mod:`llmkit.optim`, :mod:`llmkit.errors`
+and :mod:`llmkit.hookspecs`: it imports no other part of llmkit (``tests/test_layering.py``).
+Plugins import these names from ``llmkit``.
 """
 
 from __future__ import annotations

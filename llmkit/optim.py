@@ -1,4 +1,8 @@
-"""Shared pieces of the built-in optimizers and learning-rate schedules.
+"""The optimizer and schedule contract: options bases and helpers every optimizer/schedule uses.
+
+It sits at the contract layer beside :mod:`llmkit.contracts` (and imports only it): the
+built-in optimizers and schedules in ``llmkit.components``, plugins' ones (through
+``from llmkit import ...``) and the trainer build on it.
 
 Optimizers are built as ``build(model, options)`` from :func:`param_groups`; every group of
 every built-in optimizer carries ``initial_lr``. Schedules are built as

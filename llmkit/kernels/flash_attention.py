@@ -62,10 +62,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from llmkit.components.attention.dense import check_shapes
-from llmkit.components.attention.sdpa import sdpa_attention
 from llmkit.contracts import DistanceBias
 from llmkit.kernels import runtime
+from llmkit.ops import check_shapes, sdpa_attention
 
 __all__ = [
     "SUPPORTED_DTYPES",
@@ -813,6 +812,6 @@ def flash_attention_reference(
     key_padding_mask: Tensor | None = None,
 ) -> Tensor:
     """The plain-PyTorch path the ``flash`` component takes without Triton: the same contract
-    through :func:`~llmkit.components.attention.sdpa.sdpa_attention` (memory-efficient on
+    through :func:`~llmkit.ops.sdpa_attention` (memory-efficient on
     CPU, no L×L tensor for plain causal calls)."""
     return sdpa_attention(q, k, v, causal=causal, bias=bias, key_padding_mask=key_padding_mask)

@@ -30,9 +30,9 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from llmkit.components.attention.dense import check_shapes
 from llmkit.contracts import DistanceBias
 from llmkit.kernels import flash_attention as flash
+from llmkit.ops import check_shapes
 
 #: Input dtypes the kernel accepts.
 DTYPES = flash.SUPPORTED_DTYPES

@@ -12,8 +12,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from llmkit.components.attention import sliding_window
-from llmkit.components.attention.dense import DenseAttention, dense_attention
-from llmkit.components.attention.sdpa import SDPAttention, sdpa_attention
+from llmkit.components.attention.dense import DenseAttention
+from llmkit.components.attention.sdpa import SDPAttention
 from llmkit.components.attention.sliding_window import (
     SlidingWindowAttention,
     default_chunk,
@@ -21,6 +21,7 @@ from llmkit.components.attention.sliding_window import (
 )
 from llmkit.components.position.alibi import alibi_slopes
 from llmkit.contracts import AttentionKernel, BuildContext, ComponentOptions, DistanceBias
+from llmkit.ops import reference_attention, sdpa_attention
 
 ATOL = 1e-5
 CTX = BuildContext(d_model=32, n_heads=4, n_kv_heads=2, head_dim=8, max_seq_len=64, n_layers=1)
@@ -85,7 +86,7 @@ def left_padding(b: int, tk: int, pads: list[int]) -> Tensor:
 # --------------------------------------------------------------------------- dense / sdpa
 
 
-@pytest.mark.parametrize("fn", [dense_attention, sdpa_attention], ids=["dense", "sdpa"])
+@pytest.mark.parametrize("fn", [reference_attention, sdpa_attention], ids=["dense", "sdpa"])
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("groups", [1, 2, 4])
 @pytest.mark.parametrize("tq,tk", [(7, 7), (3, 10), (1, 6)])
@@ -105,11 +106,32 @@ def test_kernels_match_naive(fn, causal, groups, tq, tk, with_bias, with_pad):
     torch.testing.assert_close(out.double(), ref, atol=ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("window", [1, 3, 16])
+@pytest.mark.parametrize("tq,tk", [(1, 12), (5, 12), (9, 9)])
+@pytest.mark.parametrize("with_pad", [False, True])
+def test_reference_with_a_window_matches_naive(window, tq, tk, with_pad):
+    q, k, v = make_qkv(2, 4, 2, tq, tk, seed=window)
+    slopes = torch.tensor(alibi_slopes(4))
+    pad = left_padding(2, tk, [0, tk - tq + 1]) if with_pad else None
+    out = reference_attention(
+        q, k, v, bias=DistanceBias(slopes), key_padding_mask=pad, window=window
+    )
+    ref = naive(q, k, v, slopes=slopes, pad=pad, window=window)
+    torch.testing.assert_close(out.double(), ref, atol=ATOL, rtol=0)
+    # causal=False ignores the window (it is a causal notion), as the conformance suite expects
+    torch.testing.assert_close(
+        reference_attention(q, k, v, causal=False, window=window),
+        reference_attention(q, k, v, causal=False),
+    )
+    with pytest.raises(ValueError, match="window"):
+        reference_attention(q, k, v, window=0)
+
+
 def test_dense_and_sdpa_agree():
     q, k, v = make_qkv(2, 4, 1, 9, 9, seed=3)
     for causal in (True, False):
         torch.testing.assert_close(
-            dense_attention(q, k, v, causal=causal),
+            reference_attention(q, k, v, causal=causal),
             sdpa_attention(q, k, v, causal=causal),
             atol=ATOL,
             rtol=0,
@@ -149,7 +171,7 @@ def _sliding4(q: Tensor, k: Tensor, v: Tensor, **kw) -> Tensor:
 
 
 @pytest.mark.parametrize(
-    "fn", [dense_attention, sdpa_attention, _sliding4], ids=["dense", "sdpa", "sliding_window"]
+    "fn", [reference_attention, sdpa_attention, _sliding4], ids=["dense", "sdpa", "sliding_window"]
 )
 @pytest.mark.filterwarnings("ignore:Anomaly Detection has been enabled")
 def test_fully_padded_rows_are_zero_without_nans(fn):
@@ -168,7 +190,7 @@ def test_fully_padded_rows_are_zero_without_nans(fn):
 def test_shape_errors():
     q, k, v = make_qkv(1, 3, 2, 4, 4)
     with pytest.raises(ValueError, match="multiple"):
-        dense_attention(q, k, v)
+        reference_attention(q, k, v)
     q, k, v = make_qkv(1, 2, 2, 5, 4)
     with pytest.raises(ValueError, match="fewer keys"):
         sdpa_attention(q, k, v)
@@ -207,7 +229,7 @@ def test_sliding_window_at_least_length_is_dense_causal():
     for window in (19, 1000):
         torch.testing.assert_close(
             sliding_window_attention(q, k, v, window, chunk=5),
-            dense_attention(q, k, v),
+            reference_attention(q, k, v),
             atol=ATOL,
             rtol=0,
         )
@@ -367,7 +389,7 @@ def test_sliding_window_memory_is_linear_in_length():
     q, k, v = make_qkv(b, h, h, length, length, d=d)
     quadratic = b * h * length * length
     # The probe catches a full L×L score matrix ...
-    assert _largest(dense_attention, q, k, v) >= quadratic
+    assert _largest(reference_attention, q, k, v) >= quadratic
     # ... and sliding-window attention never builds one: everything is O(L·(C+W)).
     c = default_chunk(window)
     banded = b * h * length * (c + window)

@@ -37,10 +37,10 @@ import torch
 from torch import Tensor
 
 from llmkit.components.attention.flash import FlashAttention
-from llmkit.components.attention.sdpa import sdpa_attention
 from llmkit.components.position.alibi import alibi_slopes
 from llmkit.contracts import BuildContext, DistanceBias, NoOptions
 from llmkit.kernels import runtime
+from llmkit.ops import sdpa_attention
 from tests.kernels.common import CUDA, assert_within_budget, interpreter_ready
 
 fa = pytest.importorskip("llmkit.kernels.flash_attention", reason="needs triton")

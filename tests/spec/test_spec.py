@@ -287,7 +287,7 @@ def test_requires_names_missing_or_old_distributions():
 
 
 def test_a_component_whose_module_fails_to_import_is_named():
-    from tests.test_conformance import fake_registry
+    from tests.testing.fakes import fake_registry
 
     reg = fake_registry({"kind": "norm", "name": "ghost", "target": "llmkit.no_such_module:G"})
     spec = tiny_spec()

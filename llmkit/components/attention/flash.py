@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from llmkit.components.attention.sdpa import sdpa_attention
 from llmkit.contracts import AttentionKernel, DistanceBias, NoOptions
 from llmkit.kernels import runtime
+from llmkit.ops import sdpa_attention
 
 NAME = "attention.flash"
 

@@ -38,9 +38,9 @@ from pydantic import Field
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from llmkit.components.attention.dense import check_shapes
 from llmkit.contracts import AttentionKernel, BuildContext, ComponentOptions, DistanceBias
 from llmkit.kernels import runtime
+from llmkit.ops import check_shapes
 
 #: Component name used in runtime notices.
 NAME = "attention.sliding_window"

@@ -6,8 +6,7 @@ import importlib.metadata as md
 
 import pytest
 
-from llmkit.errors import PluginError
-from llmkit.registry import Registry
+from llmkit import PluginError, Registry
 
 
 def test_the_entry_point_is_installed():

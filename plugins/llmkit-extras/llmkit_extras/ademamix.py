@@ -29,7 +29,7 @@ import torch
 from pydantic import Field, model_validator
 from torch import Tensor, nn
 
-from llmkit.optim import Beta, OptimizerOptions, param_groups_for, set_initial_lr
+from llmkit import Beta, OptimizerOptions, param_groups_for, set_initial_lr
 
 
 def alpha_at(step: int, alpha: float, warmup: int | None) -> float:

@@ -17,7 +17,7 @@ import torch
 from pydantic import Field
 from torch import Tensor, nn
 
-from llmkit.contracts import BuildContext, ComponentOptions
+from llmkit import BuildContext, ComponentOptions
 
 
 class DyTOptions(ComponentOptions):

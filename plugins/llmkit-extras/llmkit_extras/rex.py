@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 from pydantic import Field
 
-from llmkit.optim import ScheduleOptions, check_steps, linear_warmup
+from llmkit import ScheduleOptions, check_steps, linear_warmup
 
 
 class Options(ScheduleOptions):

@@ -14,7 +14,7 @@ import torch
 from pydantic import Field
 from torch import Tensor, nn
 
-from llmkit.contracts import BuildContext, ComponentOptions
+from llmkit import BuildContext, ComponentOptions
 
 
 class ScaleNormOptions(ComponentOptions):

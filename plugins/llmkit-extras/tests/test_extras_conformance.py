@@ -8,8 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from llmkit.registry import Registry
-from llmkit.spec import load_spec
+from llmkit import Registry, load_spec
 from llmkit.testing import check_component, check_model_combination, conformance_params
 
 PROVIDER = "llmkit-extras"

@@ -15,9 +15,8 @@ from llmkit_extras.rex import build as build_rex
 from llmkit_extras.rex import rex
 from llmkit_extras.scalenorm import ScaleNorm, ScaleNormOptions
 
-from llmkit.components.position.rope import RotaryOptions, RotaryPosition
-from llmkit.contracts import DistanceBias
-from llmkit.testing import reference_attention, small_context
+from llmkit import DistanceBias, get_registry, reference_attention
+from llmkit.testing import small_context
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -74,7 +73,8 @@ def test_qk_norm_bounds_logits_whatever_the_scale_of_q_and_k():
 
 def test_qk_norm_with_scalar_gain_keeps_rotary_scores_relative():
     ctx = small_context(head_dim=8)
-    rope = RotaryPosition(RotaryOptions(), ctx)
+    rope_record = get_registry().get("position", "rope")  # built-ins come from the registry
+    rope = rope_record.load()(rope_record.parse_options({}), ctx)
     q, k, v = _qkv()
     pos = torch.arange(10)
     for gain, relative in (("scalar", True), ("vector", False)):

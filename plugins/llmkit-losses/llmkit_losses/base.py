@@ -18,7 +18,7 @@ import torch
 from pydantic import Field
 from torch import Tensor, nn
 
-from llmkit.contracts import ComponentOptions, SideOutputs
+from llmkit import ComponentOptions, SideOutputs
 from llmkit_losses import conformance
 
 conformance.register_check()

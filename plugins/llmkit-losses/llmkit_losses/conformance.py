@@ -1,9 +1,8 @@
 """The conformance check of the ``loss`` kind, plugged into llmkit's suite.
 
-:func:`register_check` puts :func:`check_loss` into ``llmkit.testing.KIND_CHECKS`` (a public
-dict), so ``llmkit.testing.check_component`` runs it for every ``loss`` component, whoever
-provides it. :mod:`llmkit_losses.base` calls it on import, i.e. as soon as any loss
-component is loaded.
+The kind declares it (``register_kinds(..., check="llmkit_losses.conformance:check_loss")``),
+so ``llmkit.testing.check_component`` runs :func:`check_loss` for every ``loss`` component,
+whoever provides it.
 """
 
 from __future__ import annotations
@@ -14,9 +13,7 @@ from typing import Any, NoReturn
 import torch
 from torch import Tensor
 
-from llmkit.testing import KIND_CHECKS, build_options
-
-KIND = "loss"
+from llmkit.testing import build_options
 
 
 def _fail(record: Any, message: str) -> NoReturn:
@@ -167,6 +164,5 @@ def check_loss(
 
 
 def register_check() -> None:
-    """Make ``llmkit.testing.check_component`` run :func:`check_loss` for ``loss`` components
-    (unless another check was put there first)."""
-    KIND_CHECKS.setdefault(KIND, check_loss)
+    """Does nothing: the kind declares :func:`check_loss` as its ``check``. Kept only while
+    :mod:`llmkit_losses.base` still calls it on import."""

@@ -1,0 +1,192 @@
+"""Small attention ops that components, kernels and plugins share (the contract layer).
+
+- :func:`check_shapes` validates the :class:`~llmkit.contracts.AttentionKernel` shapes.
+- :func:`attention_mask` builds the boolean mask of that contract: bottom-right causal
+  alignment, an optional causal window, key padding, and the rows left with no key.
+- :func:`reference_attention` is *the* reference: ``softmax(q kᵀ / √d + bias) v`` in plain
+  PyTorch and fp32 (Vaswani et al. 2017), with grouped-query attention (Ainslie et al. 2023).
+  The ``dense`` component runs it, and every other kernel is tested against it.
+- :func:`sdpa_attention` runs the same contract through
+  ``torch.nn.functional.scaled_dot_product_attention``.
+
+This module imports only torch and :mod:`llmkit.contracts`; plugins reach it through
+``from llmkit import ...``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from llmkit.contracts import DistanceBias
+
+__all__ = [
+    "HAS_ENABLE_GQA",
+    "attention_mask",
+    "check_shapes",
+    "reference_attention",
+    "sdpa_attention",
+]
+
+#: ``enable_gqa`` exists from torch 2.5 on.
+HAS_ENABLE_GQA: bool = torch.__version__ >= "2.5"
+
+
+def check_shapes(q: Tensor, k: Tensor, v: Tensor) -> int:
+    """Validate the kernel contract's shapes; return the GQA group size Hq // Hkv."""
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(
+            f"attention expects 4-D (B, H, T, D) tensors, got q {tuple(q.shape)}, "
+            f"k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
+    b, hq, tq, d = q.shape
+    if k.shape != v.shape or k.shape[0] != b or k.shape[3] != d:
+        raise ValueError(
+            f"k {tuple(k.shape)} and v {tuple(v.shape)} do not match q {tuple(q.shape)}"
+        )
+    hkv, tk = k.shape[1], k.shape[2]
+    if hq % hkv:
+        raise ValueError(f"query heads ({hq}) must be a multiple of key/value heads ({hkv})")
+    if tk < tq:
+        raise ValueError(f"fewer keys ({tk}) than queries ({tq})")
+    return hq // hkv
+
+
+def attention_mask(
+    tq: int,
+    tk: int,
+    *,
+    causal: bool,
+    key_padding_mask: Tensor | None,
+    device: torch.device,
+    window: int | None = None,
+) -> tuple[Tensor | None, Tensor | None]:
+    """Boolean mask (B or 1, 1, Tq, Tk), True = may attend, and the rows that attend to nothing.
+
+    Queries are aligned to the last ``tq`` of ``tk`` keys (query i sits at key position
+    ``tk - tq + i``). ``window`` W (causal only, ignored otherwise) keeps the keys at positions
+    p − W + 1 … p of a query at p. Rows left with no key at all (a query on left padding) are
+    re-opened to every key so that softmax stays finite; the second result, (B or 1, 1, Tq, 1)
+    True where a row is empty, tells the caller to zero those outputs. Returns
+    ``(None, None)`` when nothing is masked.
+    """
+    if window is not None and window < 1:
+        raise ValueError(f"window must be ≥ 1, got {window}")
+    mask: Tensor | None = None
+    window = window if causal else None
+    if causal and (tq > 1 or window is not None):  # one query sits on the last key: sees all
+        qpos = torch.arange(tk - tq, tk, device=device)[:, None]
+        kpos = torch.arange(tk, device=device)[None, :]
+        allowed = kpos <= qpos
+        if window is not None:
+            allowed &= kpos > qpos - window
+        mask = allowed[None, None]
+    if key_padding_mask is not None:
+        pad = key_padding_mask.to(device=device, dtype=torch.bool)[:, None, None, :]
+        mask = pad if mask is None else mask & pad
+    if mask is None:
+        return None, None
+    empty = ~mask.any(dim=-1, keepdim=True)
+    if key_padding_mask is None:  # causal (with or without a window) never empties a row
+        return mask, None
+    return mask | empty, empty
+
+
+def reference_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    causal: bool = True,
+    bias: DistanceBias | None = None,
+    key_padding_mask: Tensor | None = None,
+    window: int | None = None,
+    dropout_p: float = 0.0,
+) -> Tensor:
+    """The attention kernel contract in plain PyTorch; scores, softmax and the sum in fp32.
+
+    q (B, Hq, Tq, D); k, v (B, Hkv, Tk, D); query i sits at key position Tk − Tq + i. Heads
+    are grouped without copying K/V: query head ``h`` reads key/value head ``h // (Hq // Hkv)``
+    (the ``repeat_interleave`` convention of SDPA's ``enable_gqa``). ``bias`` adds
+    ``bias.dense(Tq, Tk)``; ``key_padding_mask`` (B, Tk) is True where a key may be attended;
+    ``window`` W (causal only) keeps keys at positions p − W + 1 … p. A query left with no
+    key returns zeros. ``dropout_p`` drops attention probabilities (callers pass 0 in eval).
+    """
+    groups = check_shapes(q, k, v)
+    b, hq, tq, d = q.shape
+    hkv, tk = k.shape[1], k.shape[2]
+    qf = q.float().reshape(b, hkv, groups * tq, d)
+    scores = torch.matmul(qf, k.float().transpose(-1, -2)) * (1.0 / math.sqrt(d))
+    scores = scores.view(b, hkv, groups, tq, tk)
+    if bias is not None:
+        scores = scores + bias.dense(tq, tk, causal=causal).to(scores.device).view(
+            hkv, groups, tq, tk
+        )
+    mask, empty = attention_mask(
+        tq, tk, causal=causal, key_padding_mask=key_padding_mask, device=q.device, window=window
+    )
+    if mask is not None:
+        scores = scores.masked_fill(~mask[:, :, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    if empty is not None:
+        probs = probs.masked_fill(empty[:, :, None], 0.0)
+    if dropout_p > 0.0:
+        probs = F.dropout(probs, p=dropout_p, training=True)
+    out = torch.matmul(probs.view(b, hkv, groups * tq, tk), v.float())
+    return out.view(b, hq, tq, d).to(q.dtype)
+
+
+def _expand_kv(x: Tensor, groups: int) -> Tensor:
+    """(B, Hkv, T, D) → (B, Hkv·groups, T, D), each kv head repeated for its query group."""
+    if groups == 1:
+        return x
+    b, h, t, d = x.shape
+    return x[:, :, None].expand(b, h, groups, t, d).reshape(b, h * groups, t, d)
+
+
+def sdpa_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    causal: bool = True,
+    bias: DistanceBias | None = None,
+    key_padding_mask: Tensor | None = None,
+    dropout_p: float = 0.0,
+) -> Tensor:
+    """Kernel-contract attention on top of ``F.scaled_dot_product_attention``.
+
+    Plain causal attention without a bias or padding takes the ``is_causal`` fast path
+    (flash-eligible); anything else passes an explicit bottom-right-aligned mask.
+    """
+    groups = check_shapes(q, k, v)
+    tq, tk = q.shape[2], k.shape[2]
+    if bias is None and key_padding_mask is None and (not causal or tq == tk or tq == 1):
+        # No explicit mask: flash-eligible. With Tq == Tk top-left and bottom-right causal
+        # alignment coincide; a single query sees every key.
+        kwargs = {}
+        if groups > 1 and HAS_ENABLE_GQA:
+            kwargs["enable_gqa"] = True
+        elif groups > 1:
+            k, v = _expand_kv(k, groups), _expand_kv(v, groups)
+        return F.scaled_dot_product_attention(
+            q, k, v, dropout_p=dropout_p, is_causal=causal and tq > 1, **kwargs
+        )
+
+    mask, empty = attention_mask(
+        tq, tk, causal=causal, key_padding_mask=key_padding_mask, device=q.device
+    )
+    attn_mask: Tensor | None = mask
+    if bias is not None:
+        dense_bias = bias.dense(tq, tk, causal=causal).to(device=q.device, dtype=q.dtype)[None]
+        attn_mask = dense_bias if mask is None else dense_bias.masked_fill(~mask, float("-inf"))
+    # With an explicit mask the memory-efficient backend is the fast one, and it does not take
+    # ``enable_gqa``; expanding K/V (O(T·D)) is far cheaper than the math backend's O(T²).
+    k, v = _expand_kv(k, groups), _expand_kv(v, groups)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p)
+    if empty is not None:
+        out = out.masked_fill(empty, 0.0)
+    return out
