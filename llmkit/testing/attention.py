@@ -1,15 +1,15 @@
 """The ``attention`` kind: kernels against :class:`~llmkit.contracts.AttentionKernel` and
-:func:`reference_attention`, the contract in the plainest PyTorch."""
+:func:`llmkit.ops.reference_attention`, the one reference every kernel matches."""
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from llmkit.contracts import POSITION_SITES, DistanceBias
+from llmkit.ops import reference_attention
 from llmkit.testing.common import (
     Options,
     Record,
@@ -28,48 +28,6 @@ from llmkit.testing.common import (
     _tolerance,
     small_context,
 )
-
-
-def reference_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    *,
-    causal: bool = True,
-    bias: DistanceBias | None = None,
-    key_padding_mask: Tensor | None = None,
-    window: int | None = None,
-) -> Tensor:
-    """The kernel contract in the plainest PyTorch, computed in fp32.
-
-    q (B, Hq, Tq, D); k, v (B, Hkv, Tk, D); query i sits at key position Tk − Tq + i; query
-    head h reads kv head h // (Hq/Hkv); ``bias`` adds ``bias.dense(Tq, Tk)``;
-    ``key_padding_mask`` (B, Tk) is True where a key may be attended; ``window`` W keeps keys
-    at positions p − W + 1 … p (causal only). A query left with no key returns zeros.
-    """
-    _, hq, tq, d = q.shape
-    hkv, tk = k.shape[1], k.shape[2]
-    groups = hq // hkv
-    kf = k.float().repeat_interleave(groups, dim=1)
-    vf = v.float().repeat_interleave(groups, dim=1)
-    scores = q.float() @ kf.transpose(-1, -2) / math.sqrt(d)
-    if bias is not None:
-        scores = scores + bias.dense(tq, tk, causal=causal).float().to(scores.device)[None]
-    qpos = torch.arange(tk - tq, tk, device=q.device)[:, None]
-    kpos = torch.arange(tk, device=q.device)[None, :]
-    allowed = torch.ones(tq, tk, dtype=torch.bool, device=q.device)
-    if causal:
-        allowed &= kpos <= qpos
-        if window is not None:
-            allowed &= kpos > qpos - window
-    allowed = allowed[None, None]
-    if key_padding_mask is not None:
-        allowed = allowed & key_padding_mask.to(device=q.device, dtype=torch.bool)[:, None, None]
-    empty = ~allowed.any(dim=-1, keepdim=True)
-    scores = scores.masked_fill(~allowed, float("-inf")).masked_fill(empty, 0.0)
-    probs = torch.softmax(scores, dim=-1).masked_fill(empty, 0.0)
-    return (probs @ vf).to(q.dtype)
-
 
 _SLOPES = (0.5, 0.25, 0.125, 0.0625)
 
