@@ -37,7 +37,7 @@ the first attempt's start) skips benchmark cases left when it runs out, so the w
 stays well under 8 min. Triton compile time is paid in each case's warm-up, not timed.
 
 ``--dry-run`` runs everything on the CPU at tiny shapes, in seconds: it checks this script's
-logic (``tests/test_bench_kernels.py`` runs it) but no Triton kernel, since on a CPU every
+logic (``tests/bench/test_bench_kernels.py`` runs it) but no Triton kernel, since on a CPU every
 component takes its PyTorch reference path.
 """
 

@@ -142,7 +142,8 @@ def test_greedy_decode(benchmark, pair, impl):
 def test_llmkit_decodes_faster(pair):
     """Interleaved runs, best of each: our decode takes less time than transformers'.
     Measured on a 2-core EPYC: 2.3× at the quick size (per-token overhead), 1.25–1.31× at
-    GPT-2 small (the decoding weight layout, see ``llmkit.inference.COLUMN_MAJOR_ON_CPU``)."""
+    GPT-2 small (the decoding weight layout, see
+    ``llmkit.inference.layout.COLUMN_MAJOR_ON_CPU``)."""
     ours, hf, prompt = pair
     best = {"llmkit": float("inf"), "transformers": float("inf")}
     for _ in range(2 if FULL else 5):

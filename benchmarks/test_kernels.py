@@ -1,13 +1,16 @@
-"""Kernel benchmarks: every registered attention, ffn and norm component, forward and
+"""Kernel benchmarks: every registered component of every benchmarkable kind (attention, ffn,
+norm, and any plugin kind whose registry record names a bench adapter), forward and
 forward+backward, with TFLOP/s (GB/s for norms), peak memory, device and dtype in
 ``extra_info`` (see :mod:`llmkit.bench.kernels` for the FLOP counts and the memory measure).
 
-Parametrized over the registry at collection time: a plugin's kernel joins without edits
-here, and a component that cannot run a case (a capability, options, or an exception it
-raises) is skipped with its reason. Quick mode (default; CI runs ``pytest benchmarks
---benchmark-disable``) uses tiny shapes; ``LLMKIT_BENCH=full`` sweeps N = 256…4096 on a CPU
-or 512…8192 on a GPU at head dims 64 and 128 (``--benchmark-json FILE`` keeps extra_info).
-The device is CUDA when one is visible, else the CPU (``LLMKIT_BENCH_DEVICE`` overrides).
+Parametrized over the registry at collection time: a plugin's kernel (or kind) joins without
+edits here, and a component that cannot run a case (a capability, options, or an exception it
+raises) is skipped with its reason. The cases are the kind's adapter's: quick mode (default;
+CI runs ``pytest benchmarks --benchmark-disable``) takes the smallest of its quick sizes (N = 64
+for attention, 64 tokens for ffn and norm); ``LLMKIT_BENCH=full`` sweeps its full sizes (N =
+256…4096 on a CPU or 512…8192 on a GPU at head dims 64 and 128; ``--benchmark-json FILE``
+keeps extra_info). The device is CUDA when one is visible, else the CPU
+(``LLMKIT_BENCH_DEVICE`` overrides).
 
 ``test_sliding_window_vs_dense_causal_cpu`` is the issue's CPU target: block-local sliding
 window (W = 256) against dense causal attention (``sdpa`` and ``dense``) at N = 4096 in full
@@ -28,9 +31,7 @@ from llmkit.registry import get_registry
 
 DEVICE = os.environ.get("LLMKIT_BENCH_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu")
 DTYPE = bk.default_dtype(DEVICE)
-SEQ = bk.SEQ_LENS[DEVICE] if FULL else (64,)
 HEAD_DIMS = bk.HEAD_DIMS
-TOKENS = bk.TOKENS[DEVICE] if FULL else (128,)
 D_MODEL = bk.D_MODEL[DEVICE] if FULL else 64
 
 
@@ -44,8 +45,23 @@ def _threads():
     torch.set_num_threads(before)
 
 
-def _entries(kind: str) -> list:
-    return [pytest.param(e, id=e.label) for e in bk.entries(kind)]
+def _cases() -> list:
+    """(adapter, entry, case) of every benchmarkable kind's components, as the kind's bench
+    adapter sweeps them."""
+    params = []
+    for kind in bk.benchmarkable_kinds():
+        adapter = bk.adapter_for(kind)
+        full = adapter.sizes.get(DEVICE) or adapter.quick_sizes
+        sizes = full if FULL else adapter.quick_sizes[:1]
+        dims = HEAD_DIMS if adapter.head_dims else (None,)
+        for entry in bk.entries(kind):
+            for mode in bk.MODES:
+                for hd in dims:
+                    for size in sizes:
+                        case = bk.Case(mode, size, hd, DEVICE, DTYPE, d_model=D_MODEL)
+                        name = f"{kind}-{entry.label}-{mode}" + (f"-D{hd}" if hd else "")
+                        params.append(pytest.param(adapter, entry, case, id=f"{name}-{size}"))
+    return params
 
 
 def _run(benchmark, prepared: bk.Prepared) -> None:
@@ -77,30 +93,12 @@ def _prepare(fn, *args, **kwargs) -> bk.Prepared:
         pytest.skip(str(exc))
 
 
-@pytest.mark.parametrize("seq", SEQ)
-@pytest.mark.parametrize("head_dim", HEAD_DIMS)
-@pytest.mark.parametrize("mode", bk.MODES)
-@pytest.mark.parametrize("entry", _entries("attention"))
-def test_attention_kernel(benchmark, entry, mode, head_dim, seq):
-    batch, heads = bk.default_attention_shape(DEVICE, seq, head_dim)
-    prepared = _prepare(
-        bk.prepare_attention, entry, batch=batch, heads=heads, seq_len=seq,
-        head_dim=head_dim, mode=mode, device=DEVICE, dtype=DTYPE,
-    )  # fmt: skip
-    _run(benchmark, prepared)
-    assert prepared.flops > 0 and benchmark.extra_info["peak_memory_bytes"] > 0
-
-
-@pytest.mark.parametrize("tokens", TOKENS)
-@pytest.mark.parametrize("mode", bk.MODES)
-@pytest.mark.parametrize("entry", _entries("ffn") + _entries("norm"))
-def test_ffn_and_norm_kernel(benchmark, entry, mode, tokens):
-    prepared = _prepare(
-        bk.prepare_tokens, entry, tokens=tokens, d_model=D_MODEL, mode=mode, device=DEVICE,
-        dtype=DTYPE,
-    )  # fmt: skip
+@pytest.mark.parametrize(("adapter", "entry", "case"), _cases())
+def test_kernel(benchmark, adapter, entry, case):
+    prepared = _prepare(adapter.prepare, entry, case)
     _run(benchmark, prepared)
     assert (prepared.flops or prepared.bytes_moved) > 0
+    assert benchmark.extra_info["peak_memory_bytes"] > 0
 
 
 # -- the issue's CPU target: block-local sliding window vs dense causal attention ------------

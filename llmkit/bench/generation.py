@@ -29,15 +29,10 @@ from pathlib import Path
 
 import torch
 
-from llmkit.inference import (
-    Sampling,
-    _Context,
-    _fit_layout,
-    _model_device,
-    _Row,
-    _sample_steps,
-)
+from llmkit.inference.decode import DecodeContext, Row, model_device, sample_steps
+from llmkit.inference.layout import fit_layout
 from llmkit.inference.quantize import weight_bytes
+from llmkit.inference.sampling import Sampling
 from llmkit.model import Transformer
 
 
@@ -111,22 +106,22 @@ def _one_run(
     model: Transformer, prompts: list[list[int]], new_tokens: int
 ) -> tuple[float, float, float, int]:
     """(prefill seconds, time to first token, decode seconds, kv bytes) of one generation."""
-    device = _model_device(model)
+    device = model_device(model)
     with torch.inference_mode():
-        ctx = _Context(model, prompts, 0, new_tokens)
+        ctx = DecodeContext(model, prompts, 0, new_tokens)
         _sync(device)
         t0 = time.perf_counter()
         ctx.prefill()
         _sync(device)
         prefill = time.perf_counter() - t0
     del ctx
-    rows = [_Row(p) for p in prompts]
+    rows = [Row(p) for p in prompts]
     cfg = Sampling(max_new_tokens=new_tokens, temperature=0, ignore_eos=True)
     with torch.inference_mode():
         _sync(device)
         t0 = time.perf_counter()
-        ctx = _Context(model, prompts, 0, new_tokens)
-        steps = _sample_steps(model, rows, cfg, 0, ctx)
+        ctx = DecodeContext(model, prompts, 0, new_tokens)
+        steps = sample_steps(model, rows, cfg, 0, ctx)
         next(steps)  # the first token is chosen (and fed) when the first step yields
         first = time.perf_counter() - t0
         for _ in steps:
@@ -150,7 +145,7 @@ def bench_generate(
     if new_tokens < 2:
         raise ValueError("new_tokens must be ≥ 2 to time decoding")
     model.eval()
-    device = _model_device(model)
+    device = model_device(model)
     limit = model.config.max_seq_len
     prompt_len = max(1, min(prompt_len, limit - 1))
     gen = torch.Generator().manual_seed(seed)
@@ -158,7 +153,7 @@ def bench_generate(
     for b in batch_sizes:
         prompts = torch.randint(0, model.config.vocab_size, (b, prompt_len), generator=gen)
         rows = prompts.tolist()
-        _fit_layout(model, b)  # as a generation of b rows would
+        fit_layout(model, b)  # as a generation of b rows would
         _one_run(model, rows, new_tokens)  # warm-up
         runs = []
         peak = 0

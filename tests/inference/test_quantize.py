@@ -21,14 +21,6 @@ from tests.helpers import tiny_spec
 BACKENDS = ["weight_only"] + (["dynamic"] if dynamic_available() else [])
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _model(**model):
     torch.manual_seed(0)
     spec = tiny_spec(d_model=64, vocab_size=128, position={"name": "rope"}, **model)

@@ -16,7 +16,7 @@ from torch import Tensor
 from llmkit.bench import kernels as bk
 from llmkit.cli import main
 from llmkit.components.attention.sdpa import SDPAttention
-from llmkit.contracts import AttentionKernel, ComponentOptions, NoOptions
+from llmkit.contracts import AttentionKernel, BuildContext, ComponentOptions, NoOptions
 from llmkit.registry import Component, get_registry
 from tests.conftest import ROOT
 
@@ -64,7 +64,7 @@ def test_attention_flop_formulas():
 def test_ffn_flops_count_the_matmuls():
     """SwiGLU: three d×h projections, 2 FLOPs per weight per token; backward twice that."""
     entry = bk.Entry("swiglu", get_registry().get("ffn", "swiglu"))
-    ctx = bk.BuildContext(d_model=32, n_heads=1, n_kv_heads=1, head_dim=32, max_seq_len=16,
+    ctx = BuildContext(d_model=32, n_heads=1, n_kv_heads=1, head_dim=32, max_seq_len=16,
                           n_layers=1)  # fmt: skip
     h = bk.build(entry, ctx, "cpu", torch.float32).gate_proj.out_features
     fwd = bk.prepare_tokens(entry, tokens=16, d_model=32, mode="fwd")
