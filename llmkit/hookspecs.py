@@ -1,7 +1,7 @@
 """The hooks a plugin implements. ``llmkit.hookimpl`` marks the implementations.
 
 A plugin is a module (or object) exposed through the ``llmkit`` entry-point group. It
-implements one or both hooks below; each receives a ``register`` callback rather than
+implements any of the hooks below; each receives a ``register`` callback rather than
 returning values, so one plugin can register any number of things.
 """
 
@@ -59,4 +59,29 @@ def register_components(register: Callable[..., Any]) -> None:
       (e.g. ``{"positions": ["embedding", "qk", "score_bias"], "kv_cache": True}``).
 
     The provider (distribution name and version) is filled in by llmkit.
+    """
+
+
+@hookspec
+def register_commands(register: Callable[..., Any]) -> None:
+    """Add commands to the ``llmkit`` command line (argparse).
+
+    Call ``register(name, run=None, *, help, configure=None, description=None, aliases=(),
+    group=None)`` once per command:
+
+    - ``name``: the command (``llmkit NAME``), unique among commands (aliases included).
+    - ``run``: the handler, ``run(args: argparse.Namespace) -> int | None`` (None = 0); it
+      raises :class:`llmkit.errors.LlmkitError` for a user error (one line, exit 2). A command
+      without ``run`` prints its help: a group whose subcommands do the work.
+    - ``help``: one line for ``llmkit --help``; ``description``: the longer text of
+      ``llmkit NAME --help`` (default: ``help``).
+    - ``configure``: ``configure(parser: argparse.ArgumentParser) -> None`` adds the command's
+      arguments; called when the parser is built, so it imports nothing heavy.
+    - ``aliases``: other names for the command.
+    - ``group``: makes it a subcommand, ``llmkit GROUP NAME``, of a command registered before
+      it (llmkit's ``bench`` and ``plugin``, or one of your own).
+
+    Only the command line calls this hook. llmkit's own commands are registered through it
+    by its built-in command plugin; a name already taken is an error, reported like any
+    plugin failure, and every other command still works.
     """

@@ -32,6 +32,10 @@ from llmkit import hookspecs
 from llmkit.errors import PluginError, RegistryError
 
 BUILTIN_PLUGIN = "builtin"
+#: Plugin names only llmkit's own plugins may use (components; the CLI's built-in commands).
+RESERVED_PLUGIN_NAMES = (BUILTIN_PLUGIN, "builtin-cli")
+#: The module of llmkit's built-in plugin (the value of its ``llmkit`` entry point).
+BUILTIN_MODULE = "llmkit.components.builtin"
 #: The hooks llmkit calls on every plugin, in this order (all plugins' kinds first).
 REGISTRATION_HOOKS = ("register_kinds", "register_components")
 CATALOGUE = Path(__file__).with_name("registry.toml")
@@ -60,6 +64,8 @@ class Component:
     capabilities: dict[str, Any] = field(default_factory=dict)
     provider: str = "?"
     version: str = "?"
+    #: The record of its kind, set when the registry accepts the component.
+    kind_record: Kind | None = field(default=None, repr=False, compare=False)
 
     @property
     def key(self) -> str:
@@ -232,9 +238,9 @@ class Registry:
         loaded: list[PluginInfo] = []
         for ep in eps:
             dist, version = _dist_of(ep)
-            if ep.name == BUILTIN_PLUGIN and dist != "llmkit":
-                name = f"{ep.name} ({dist})"  # keep the name of llmkit's own plugin free
-                self._fail(PluginInfo(name, dist, version), "reserved plugin name 'builtin'")
+            if ep.name in RESERVED_PLUGIN_NAMES and dist != "llmkit":
+                name = f"{ep.name} ({dist})"  # keep the names of llmkit's own plugins free
+                self._fail(PluginInfo(name, dist, version), f"reserved plugin name {ep.name!r}")
                 continue
             if ep.name in seen:
                 continue
@@ -257,8 +263,7 @@ class Registry:
                 f"(installed plugins: {installed})",
             )
         if BUILTIN_PLUGIN not in self.plugins:  # e.g. running from a source tree
-            from llmkit.components import builtin
-
+            builtin = importlib.import_module(BUILTIN_MODULE)  # as its entry point would
             info = self._register(builtin, BUILTIN_PLUGIN, "llmkit", _own_version())
             loaded.insert(0, info)
         for hook_name in REGISTRATION_HOOKS:
@@ -379,6 +384,7 @@ class Registry:
                 f"unknown kind {rec.kind!r} for component {rec.name!r}"
                 f"{_suggest(rec.kind, self.kinds)}; known kinds: {', '.join(sorted(self.kinds))}"
             )
+        rec.kind_record = self.kinds[rec.kind]
         old = self.components.get(rec.key)
         conflict = self.conflicts.get(rec.key)
         if old is None and conflict is None:
@@ -447,6 +453,26 @@ class Registry:
 
     def failures(self) -> list[PluginInfo]:
         return [p for p in self.plugins.values() if p.error]
+
+    # -- hooks outside the registry (the command line's register_commands) ------------------
+    def call_hook(self, hook_name: str, bind: Callable[[PluginInfo], Callable[..., Any]]) -> None:
+        """Call every loaded plugin's ``hook_name``, llmkit's own plugins first, each with
+        ``register=bind(info)``: a callback bound to that plugin.
+
+        For hooks whose records the caller keeps (``llmkit.cli`` keeps the commands), so
+        component loading never runs them. Failures are isolated as in
+        :meth:`load_entry_points`: a plugin whose hook raises is recorded as failed (or,
+        under ``LLMKIT_STRICT_PLUGINS``, raises :class:`PluginError`); the rest still run.
+        """
+        impls = getattr(self.pm.hook, hook_name).get_hookimpls()
+        for info in sorted(self.plugins.values(), key=lambda p: p.distribution != "llmkit"):
+            for impl in impls:
+                if impl.plugin_name != info.name:
+                    continue
+                try:
+                    impl.function(register=bind(info))
+                except Exception as exc:
+                    self._fail(info, f"{hook_name}: {type(exc).__name__}: {exc}")
 
 
 def _check_kind(kind: Kind, others: dict[str, Kind]) -> None:

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from llmkit import hookimpl, hookspecs
+from llmkit.cli.commands import load_commands
 from llmkit.registry import Registry
 from tests.conftest import ROOT
 
@@ -55,7 +56,8 @@ HOOKS = hookspec_functions()
 
 
 def callbacks() -> dict[str, dict[str, Callable[..., Any]]]:
-    """The callables each hook receives (e.g. ``register``), captured from a real registry."""
+    """The callables each hook receives (e.g. ``register``), captured from a real registry
+    and, for ``register_commands``, from the command line's loading of it."""
     seen: dict[str, dict[str, Callable[..., Any]]] = {}
 
     def capture(hook: str) -> Callable[..., None]:
@@ -72,7 +74,9 @@ def callbacks() -> dict[str, dict[str, Callable[..., Any]]]:
     plugin = type("Capture", (), {f"_impl_{h}": staticmethod(capture(h)) for h in HOOKS})()
     reg = Registry()
     info = reg.add_plugin(plugin, "capture", "llmkit-capture", "0")
+    load_commands(reg)
     assert info.error is None, info.error
+    assert set(seen) == set(HOOKS), f"hooks no caller ran: {set(HOOKS) - set(seen)}"
     return seen
 
 
@@ -90,7 +94,7 @@ def sections() -> dict[str, str]:
 
 
 def test_there_are_hooks():
-    assert {"register_kinds", "register_components"} <= set(HOOKS)
+    assert {"register_kinds", "register_components", "register_commands"} <= set(HOOKS)
 
 
 @pytest.mark.parametrize("name", sorted(HOOKS))

@@ -40,9 +40,12 @@ def ref_type(registry: Any, kind: str) -> Any:
 
 def spec_schema(registry: Any) -> dict[str, Any]:
     """The JSON Schema (draft 2020-12) of a spec file, after ``extends`` is applied: one
-    table per kind's section, each a union of that kind's registered components."""
+    table per kind's section, each a union of that kind's registered components (a kind
+    with no component yet has no table)."""
 
-    def ref(kind: Any, optional: bool) -> tuple[Any, Any]:
+    def ref(kind: Any, optional: bool) -> tuple[Any, Any] | None:
+        if not registry.list(kind.name):
+            return None  # no component could be written there yet
         union = ref_type(registry, kind.name)
         desc = f"{kind.summary} (see `llmkit list {kind.name}`)."
         if optional:

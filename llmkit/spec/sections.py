@@ -34,8 +34,9 @@ PARENTS: dict[str, type[BaseModel]] = {
     "tokenizer": TokenizerSpec,
 }
 
-#: ``ref(kind, optional)`` → ``(annotation, FieldInfo)`` of one component table.
-RefField = Callable[[Any, bool], tuple[Any, Any]]
+#: ``ref(kind, optional)`` → ``(annotation, FieldInfo)`` of one component table, or None to
+#: leave the kind's section out.
+RefField = Callable[[Any, bool], tuple[Any, Any] | None]
 
 
 def spec_kinds(registry: Any) -> list[Any]:
@@ -124,7 +125,10 @@ def spec_model(registry: Any, ref: RefField = component_ref, prefix: str = "") -
     overrides: dict[str, Any] = {}
     for kind in spec_kinds(registry):
         parent, _, slot = kind.section.rpartition(".")
-        fields[parent][slot] = ref(kind, kind.default is None)
+        field_ = ref(kind, kind.default is None)
+        if field_ is None:  # e.g. the schema of a kind nothing provides yet
+            continue
+        fields[parent][slot] = field_
         if kind.per_layer:
             overrides[slot] = ref(kind, True)
     override = create_model(f"{prefix}LayerOverride", __base__=LayerOverride, **overrides)

@@ -1,0 +1,175 @@
+"""``llmkit generate``: text from a trained run, batched, streamed or interactive."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from llmkit.cli.common import WEIGHTS, seed, write
+from llmkit.errors import LlmkitError
+
+
+def register_commands(register: Callable[..., Any]) -> None:
+    register(
+        "generate",
+        run_generate,
+        help="generate text from a trained run",
+        configure=configure_generate,
+    )
+
+
+def configure_generate(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run", help="run directory or checkpoint directory")
+    p.add_argument(
+        "--prompt",
+        action="append",
+        help="text to continue (repeat for a batch; default: a new document)",
+    )
+    p.add_argument("--max-new-tokens", type=int, default=200)
+    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=None, help="sample among the k most likely")
+    p.add_argument("--top-p", type=float, default=None, help="nucleus: smallest set of mass p")
+    p.add_argument(
+        "--min-p", type=float, default=None, help="drop tokens below min-p × the top probability"
+    )
+    p.add_argument(
+        "--repetition-penalty", type=float, default=1.0, help="> 1 discourages repeated tokens"
+    )
+    p.add_argument("--num-beams", type=int, default=1, help="> 1: beam search (deterministic)")
+    p.add_argument(
+        "--length-penalty", type=float, default=1.0, help="beam score = log p / length**this"
+    )
+    p.add_argument(
+        "--no-early-stopping",
+        action="store_true",
+        help="beam search: go on while a running beam can still win",
+    )
+    p.add_argument(
+        "--stop", action="append", metavar="TEXT", help="stop at this text (repeatable; \\n ok)"
+    )
+    p.add_argument("--ignore-eos", action="store_true", help="do not stop at the EOS token")
+    p.add_argument("--seed", type=seed, default=None)
+    p.add_argument("--stream", action="store_true", help="print tokens as they are generated")
+    p.add_argument(
+        "--interactive", action="store_true", help="read prompts from stdin until EOF or `exit`"
+    )
+    p.add_argument("--quantize", choices=["int8"], help="int8 weights (smaller; CPU: faster)")
+    p.add_argument("--device", default="cpu", help="cpu (default), cuda, mps or auto")
+    p.add_argument("--json", action="store_true", help="print text, ids and finish reasons")
+    p.add_argument("--weights", choices=WEIGHTS, default="final")
+
+
+def complete(run: Any, prompt: str, sampling: Any) -> str:
+    """The continuation of ``prompt``. An empty prompt starts from the document separator
+    and, unless ``sampling.eos_id`` is set, runs across documents (EOS does not stop it)."""
+    from llmkit.inference import Generator
+
+    if not prompt and sampling.eos_id is None:
+        sampling = dataclasses.replace(sampling, ignore_eos=True)
+    return Generator(run).generate(prompt, sampling)[0].text
+
+
+def sampling_from_args(args: argparse.Namespace) -> Any:
+    """The ``Sampling`` the flags ask for; an impossible combination is a user error."""
+    from llmkit.inference import Sampling
+
+    beams = args.num_beams > 1
+    sampling = Sampling(
+        max_new_tokens=args.max_new_tokens,
+        temperature=0.0 if beams else args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        seed=args.seed,
+        ignore_eos=args.ignore_eos,
+        stop=tuple(s.replace("\\n", "\n").replace("\\t", "\t") for s in args.stop or ()),
+        num_beams=args.num_beams,
+        length_penalty=args.length_penalty,
+        early_stopping=not args.no_early_stopping,
+    )
+    try:
+        sampling.validate()
+    except ValueError as exc:
+        raise LlmkitError(str(exc)) from exc
+    return sampling
+
+
+def _stream_one(gen: Any, prompt: str, sampling: Any) -> Any:
+    stream = gen.stream(prompt, sampling)
+    for piece in stream:
+        write(piece)
+    return stream.result
+
+
+def _interactive(gen: Any, sampling: Any, stream: bool) -> int:
+    """One prompt per line (each continued on its own) until EOF or `exit`."""
+    tty = sys.stdin.isatty()
+    if tty:
+        sys.stderr.write("llmkit generate: one prompt per line; `exit` or Ctrl-D ends\n")
+    while True:
+        if tty:
+            sys.stderr.write("> ")
+            sys.stderr.flush()
+        line = sys.stdin.readline()
+        if not line:
+            break
+        prompt = line.rstrip("\r\n")
+        if prompt.strip() in ("exit", "quit"):
+            break
+        if stream and sampling.num_beams == 1:
+            _stream_one(gen, prompt, sampling)
+        else:
+            write(gen.generate(prompt, sampling)[0].text)
+        write("\n")
+    return 0
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    from llmkit import hardware
+    from llmkit.inference import Generator
+    from llmkit.runs import load_run
+
+    sampling = sampling_from_args(args)
+    device = hardware.choose_device(args.device)
+    run = load_run(args.run, which=args.weights, device=str(device))
+    try:
+        gen = Generator(run, quantize=args.quantize)
+    except ValueError as exc:
+        raise LlmkitError(str(exc)) from exc
+    if args.interactive:
+        return _interactive(gen, sampling, args.stream)
+    prompts = args.prompt or [""]
+    if args.stream and sampling.num_beams > 1:
+        raise LlmkitError("--stream needs sampling or greedy decoding (--num-beams 1)")
+    if args.stream and not args.json:
+        for i, prompt in enumerate(prompts):
+            if i:
+                write("\n")
+            write(prompt)
+            _stream_one(gen, prompt, sampling)
+            write("\n")
+        return 0
+    results = gen.generate(prompts, sampling)
+    if args.json:
+        out = [
+            {
+                "prompt": p,
+                "text": r.text,
+                "ids": r.ids,
+                "finish_reason": r.finish_reason,
+                "score": r.score,
+            }
+            for p, r in zip(prompts, results)
+        ]
+        write(json.dumps(out if len(out) > 1 else out[0], ensure_ascii=False) + "\n")
+        return 0
+    for i, (prompt, r) in enumerate(zip(prompts, results)):
+        if i:
+            write("\n")
+        write(prompt + r.text + "\n")
+    return 0

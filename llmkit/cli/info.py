@@ -1,0 +1,136 @@
+"""``llmkit info``: the architecture layer by layer, parameters, FLOPs and memory.
+
+The model is built on the ``meta`` device, so even a 7B spec is described instantly without
+allocating memory. The per-layer table has one column per per-layer kind in the registry,
+so a kind a plugin declares appears without edits here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable
+from typing import Any
+
+from llmkit.cli.common import (
+    add_set,
+    at_least,
+    build_on_meta,
+    console,
+    human,
+    human_bytes,
+    load,
+    ref,
+    registry,
+    table,
+)
+
+
+def register_commands(register: Callable[..., Any]) -> None:
+    register(
+        "info",
+        run_info,
+        help="per-layer architecture, parameters, FLOPs and memory",
+        configure=configure_info,
+    )
+
+
+def configure_info(p: argparse.ArgumentParser) -> None:
+    p.add_argument("spec")
+    add_set(p)
+    p.add_argument(
+        "--batch-size", type=at_least(1), default=8, help="batch for the memory estimate"
+    )
+    p.add_argument("--seq-len", type=at_least(1), default=None, help="default: max_seq_len")
+    p.add_argument("--json", action="store_true", help="also print the numbers as JSON")
+
+
+def layer_table(rs: Any, slots: list[str]) -> tuple[list[str], list[tuple[str, ...]]]:
+    """The per-layer table: its component columns (the ``slots`` some layer fills, so an
+    optional kind nobody chose adds no column) and its rows, ``(layers, *components)``, where
+    consecutive identical layers share one row labelled ``"start-end"`` and a slot a layer
+    leaves empty shows ``-``."""
+    cells = [
+        [ref(res) if (res := plan.get(s)) is not None else "-" for s in slots] for plan in rs.layers
+    ]
+    keep = [i for i in range(len(slots)) if any(row[i] != "-" for row in cells)]
+    rows = [tuple(row[i] for i in keep) for row in cells]
+    out = []
+    start = 0
+    for j in range(1, len(rows) + 1):
+        if j == len(rows) or rows[j] != rows[start]:
+            label = str(start) if j - 1 == start else f"{start}-{j - 1}"
+            out.append((label, *rows[start]))
+            start = j
+    return [slots[i] for i in keep], out
+
+
+def run_info(args: argparse.Namespace) -> int:
+    rs = load(args.spec, args.set)
+    model = build_on_meta(rs)
+    kinds = list(registry().kinds.values())
+    m = rs.model
+    con = console()
+    con.print(f"[bold]{rs.spec.name or args.spec}[/]")
+    con.print(
+        f"d_model={m.d_model} n_layers={m.n_layers} n_heads={m.n_heads} "
+        f"n_kv_heads={m.kv_heads} head_dim={m.dim_head} vocab={m.vocab_size} "
+        f"max_seq_len={m.max_seq_len} norm={m.norm_placement} tied={m.tie_embeddings}"
+    )
+    con.print(
+        f"position: {ref(rs.position)}   final norm: {ref(rs.norm) if m.final_norm else 'none'}",
+        markup=False,
+    )
+    columns, rows = layer_table(rs, [k.slot for k in kinds if k.per_layer and k.slot])
+    layers = table("layers", *columns)
+    for row in rows:
+        layers.add_row(*row)
+    con.print(layers)
+    seq = args.seq_len or m.max_seq_len
+    batch = args.batch_size
+    total, non_emb, active = (
+        model.num_params(),
+        model.num_params(exclude_embeddings=True),
+        model.active_params(),
+    )
+    flops = model.flops_per_token(seq)
+    mem = model.training_memory(batch, seq)
+    kv = model.kv_cache_bytes_per_token()
+    con.print(f"parameters:          {total:,} ({human(total)})")
+    con.print(f"  non-embedding:     {non_emb:,}")
+    if active != total:
+        con.print(f"  active per token:  {active:,}")
+    con.print(
+        f"FLOPs/token @ T={seq}: forward {human(flops['forward'])}, "
+        f"training {human(flops['train'])}"
+    )
+    con.print(
+        f"KV cache:            {human_bytes(kv)}/token (fp32), {human_bytes(kv // 2)}/token (bf16)"
+    )
+    con.print(
+        f"training step memory @ batch {batch} × {seq} (fp32 weights, AdamW, bf16 "
+        f"activations, estimate): {human_bytes(mem['total'])} = weights "
+        f"{human_bytes(mem['weights'])} + grads {human_bytes(mem['gradients'])} + optimizer "
+        f"{human_bytes(mem['optimizer'])} + activations {human_bytes(mem['activations'])}"
+    )
+    chosen = [  # every kind chosen once per spec (optimizer, schedule, a plugin's loss...)
+        f"{k.name}: {ref(res)}"
+        for k in kinds
+        if k.section and not k.per_layer and (res := rs.components.get(k.section)) is not None
+    ]
+    if chosen:
+        con.print("   ".join(chosen), markup=False)
+    if args.json:
+        con.print_json(
+            json.dumps(
+                {
+                    "params": total,
+                    "non_embedding_params": non_emb,
+                    "active_params": active,
+                    "flops_per_token": flops,
+                    "training_memory": mem,
+                    "kv_cache_bytes_per_token": kv,
+                }
+            )
+        )
+    return 0
