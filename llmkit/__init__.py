@@ -5,7 +5,8 @@ The public API is what ``__all__`` lists, imported as ``from llmkit import name`
 - plugin hooks: ``hookimpl``; ``__version__``;
 - contracts: ``ComponentOptions``, ``NoOptions``, ``BuildContext``, ``SideOutputs``,
   ``DistanceBias``, ``AttentionKernel``, ``PositionalScheme``, ``ffn_hidden``,
-  ``POSITION_SITES`` (:mod:`llmkit.contracts`);
+  ``POSITION_SITES``, and the block seams ``Block``, ``BlockParts``, ``AttentionInputs``,
+  ``QKTransform`` (:mod:`llmkit.contracts`);
 - attention ops: ``reference_attention`` (the one reference every kernel matches),
   ``sdpa_attention``, ``check_shapes``, ``attention_mask`` (:mod:`llmkit.ops`);
 - optimizers and schedules: ``OptimizerOptions``, ``ScheduleOptions``, ``WarmupOptions``,
@@ -37,12 +38,16 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and IDEs
     from llmkit.cli import main as cli_main
     from llmkit.contracts import (
         POSITION_SITES,
+        AttentionInputs,
         AttentionKernel,
+        Block,
+        BlockParts,
         BuildContext,
         ComponentOptions,
         DistanceBias,
         NoOptions,
         PositionalScheme,
+        QKTransform,
         SideOutputs,
         ffn_hidden,
     )
@@ -69,6 +74,10 @@ __version__ = "0.1.0"
 #: Public name → the module that defines it (``"module:attribute"`` where the name differs).
 _LAZY: dict[str, str] = {
     "POSITION_SITES": "llmkit.contracts",
+    "AttentionInputs": "llmkit.contracts",
+    "Block": "llmkit.contracts",
+    "BlockParts": "llmkit.contracts",
+    "QKTransform": "llmkit.contracts",
     "AttentionKernel": "llmkit.contracts",
     "BuildContext": "llmkit.contracts",
     "ComponentOptions": "llmkit.contracts",
@@ -112,8 +121,11 @@ _LAZY: dict[str, str] = {
 
 __all__ = [
     "POSITION_SITES",
+    "AttentionInputs",
     "AttentionKernel",
     "Beta",
+    "Block",
+    "BlockParts",
     "BuildContext",
     "Component",
     "ComponentOptions",
@@ -125,6 +137,7 @@ __all__ = [
     "OptimizerOptions",
     "PluginError",
     "PositionalScheme",
+    "QKTransform",
     "Registry",
     "RegistryError",
     "ResolvedSpec",

@@ -10,11 +10,36 @@ factor for a 0-based step (``llmkit.optim.set_lr_factor`` applies it).
 This is the bottom layer, with :mod:`llmkit.ops`, :mod:`llmkit.optim`, :mod:`llmkit.errors`
 and :mod:`llmkit.hookspecs`: it imports no other part of llmkit (``tests/test_layering.py``).
 Plugins import these names from ``llmkit``.
+
+The block's open seams: the residual ``block`` kind and the ``qk_transform`` kind (a q/k hook
+inside the attention module, before positions and the kernel).
+
+kind (a q/k hook inside the attention module, before positions and the kernel).
+
+**Blocks.** For every layer the model builds the attention *module* (projections, q/k
+transform, positional hooks, KV cache and the kernel), the feed-forward component and a
+factory of the layer's norm, and hands them to the layer's block component::
+
+    block = Block(options, ctx, parts)  # parts: BlockParts
+    x = block(x, inputs)                # x (B, T, C); inputs: AttentionInputs
+
+A block keeps ``parts.attention`` and ``parts.ffn`` as submodules (the model checks this),
+calls ``parts.norm()`` once for every norm it needs, and in ``forward`` calls
+``self.attn(h, inputs)`` and ``self.ffn(h)`` on (B, T, C) tensors, passing ``inputs``
+through untouched. Store them as ``attn``, ``ffn``, ``norm1``, ``norm2``… so checkpoint keys
+read alike across blocks. Residual dropout is :meth:`Block.dropout`.
+
+**Q/K transforms.** ``QKTransform(options, ctx)`` maps ``(q, k)`` of shapes (B, Hq, T, D) and
+(B, Hkv, T, D) to tensors of the same shapes, token by token (keys are transformed before the
+KV cache stores them, so a transform must not mix positions). The attention module applies it
+before a rotary scheme and the kernel, so it works with every kernel (QK-norm before RoPE, as
+in OLMo 2, Qwen3 and Gemma 3).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -158,3 +183,63 @@ def ffn_hidden(d_model: int, hidden: int | None, multiplier: float, multiple_of:
         return hidden
     raw = int(multiplier * d_model)
     return multiple_of * math.ceil(raw / multiple_of)
+
+
+# -- the block seams -------------------------------------------------------------------------
+
+
+@dataclass
+class AttentionInputs:
+    """What the attention module needs besides its input, for one forward call.
+
+    Blocks pass it to ``self.attn(h, inputs)`` without looking inside.
+    """
+
+    position: PositionalScheme  # the layer's positional scheme (q/k and score-bias sites)
+    positions: Tensor  # absolute positions, (T,) or (B, T)
+    cache: Any = None  # the layer's KV cache (llmkit.model.LayerCache) while decoding
+    key_padding_mask: Tensor | None = None  # (B, T) of this call, True = real token
+
+
+@dataclass
+class BlockParts:
+    """The parts of one layer, built by the model from the layer's plan."""
+
+    attention: nn.Module  # the attention module: (h (B, T, C), AttentionInputs) -> (B, T, C)
+    ffn: nn.Module  # the layer's ffn component: (B, T, C) -> (B, T, C)
+    norm: Callable[[], nn.Module]  # a new norm of the layer's norm component per call
+
+
+class Block(nn.Module):
+    """Base of block components: ``Block(options, ctx, parts)``; ``forward(x, inputs) -> x``.
+
+    Sets ``options``, ``ctx`` and the residual dropout ``drop`` (``ctx.dropout``).
+    """
+
+    def __init__(self, options: ComponentOptions, ctx: BuildContext, parts: BlockParts) -> None:
+        super().__init__()
+        self.options = options
+        self.ctx = ctx
+        self.drop = nn.Dropout(ctx.dropout)
+
+    def dropout(self, y: Tensor) -> Tensor:
+        """Residual dropout of a sublayer's output (skipped in eval and when p = 0)."""
+        return self.drop(y) if self.training and self.drop.p > 0 else y
+
+    def forward(self, x: Tensor, inputs: AttentionInputs) -> Tensor:  # pragma: no cover
+        raise NotImplementedError
+
+
+class QKTransform(nn.Module):
+    """Base of q/k transforms: ``QKTransform(options, ctx)``; ``forward(q, k) -> (q, k)``.
+
+    ``q`` (B, Hq, T, D), ``k`` (B, Hkv, T, D) with D = ``ctx.head_dim``; position-wise.
+    """
+
+    def __init__(self, options: ComponentOptions, ctx: BuildContext) -> None:
+        super().__init__()
+        self.options = options
+        self.ctx = ctx
+
+    def forward(self, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:  # pragma: no cover
+        raise NotImplementedError

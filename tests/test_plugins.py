@@ -122,12 +122,12 @@ def test_plugin_components_appear_in_list_show_and_schema(plugins_on, capsys, tm
     assert "llmkit-extras" in out and "llmkit-losses" in out
     code, out, _ = cli(capsys, "list", "loss")
     assert code == 0 and "cross_entropy" in out
-    code, out, _ = cli(capsys, "show", "attention", "qk_norm")
-    assert code == 0 and "llmkit-extras 0.1.0" in out and "approximate=True" in out
+    code, out, _ = cli(capsys, "show", "qk_transform", "qk_norm")
+    assert code == 0 and "llmkit-extras 0.1.0" in out
     schema_file = tmp_path / "schema.json"
     assert main(["schema", "-o", str(schema_file)]) == 0
     defs = json.loads(schema_file.read_text())["$defs"]
-    for key in ("attention__qk_norm", "norm__dyt", "norm__scalenorm", "optimizer__ademamix"):
+    for key in ("qk_transform__qk_norm", "norm__dyt", "norm__scalenorm", "optimizer__ademamix"):
         assert key in defs and defs[key]["additionalProperties"] is False
     assert "schedule__rex" in defs
 
@@ -151,7 +151,7 @@ def test_benchmark_suite_picks_up_plugin_components():
             "no:cacheprovider",
             "--benchmark-disable",
             "-k",
-            "qk_norm or dyt or scalenorm",
+            "dyt or scalenorm",
             "-v",
             "benchmarks/test_components.py",
         ],
@@ -163,11 +163,7 @@ def test_benchmark_suite_picks_up_plugin_components():
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     lines = proc.stdout.splitlines()
-    for name in (
-        "qk_norm",
-        "dyt",
-        "scalenorm",
-    ):  # e.g. test_attention_forward_backward[qk_norm-...]
+    for name in ("dyt", "scalenorm"):  # e.g. test_ffn_and_norm_forward_backward[dyt]
         assert any(f"[{name}" in line and "PASSED" in line for line in lines), name
 
 
@@ -189,7 +185,7 @@ def test_a_spec_made_of_plugin_components_trains(plugins_on, tmp_path):
             n_heads = 4
             n_kv_heads = 2
             max_seq_len = 32
-            attention = {{ name = "qk_norm", gain = "vector" }}
+            qk_transform = {{ name = "qk_norm", gain = "vector" }}
             norm = {{ name = "dyt" }}
             position = {{ name = "rope" }}
             [[model.overrides]]
@@ -295,10 +291,10 @@ def test_plugins_reports_plugins_left_out_by_the_allow_list(plugins_on, capsys):
     assert {"losses", "broken_fixture"} <= names and "extras" not in names
     (extras,) = [p for p in report["plugins"] if p["name"] == "extras"]
     assert extras["registered"] == [
-        "attention.qk_norm",
         "norm.dyt",
         "norm.scalenorm",
         "optimizer.ademamix",
+        "qk_transform.qk_norm",
         "schedule.rex",
     ]
     code, out, _ = cli(capsys, "plugins")

@@ -23,6 +23,7 @@ from llmkit.spec.sections import (
     default_names,
     get_at,
     layer_kinds,
+    set_at,
     spec_kinds,
 )
 
@@ -157,10 +158,10 @@ def resolve(data: dict[str, Any], source: str | None = None, registry: Any = Non
     data = copy.deepcopy(data)
     data.pop("extends", None)
     _check_requires(data.get("requires", []), source, registry)
+    problems: list[str] = _norm_placement_block(data, registry)
     default_names(data, registry)
     spec_cls = cached_spec_model(registry)
 
-    problems: list[str] = []
     spec: Spec | None = None
     try:
         spec = spec_cls.model_validate(data)
@@ -222,6 +223,45 @@ def resolve(data: dict[str, Any], source: str | None = None, registry: Any = Non
         source=source,
         raw=data,
     )
+
+
+#: ``model.norm_placement`` → the block it stands for (the field predates the ``block`` kind).
+NORM_PLACEMENT_BLOCKS = {"pre": "pre_norm", "post": "post_norm"}
+
+
+def _norm_placement_block(data: dict[str, Any], registry: Any) -> list[str]:
+    """Keep ``model.norm_placement`` and the model-wide block in agreement, before defaults.
+
+    Without a block name, ``norm_placement`` picks one (``"post"`` → ``post_norm``, ``"pre"``
+    → ``pre_norm``); without ``norm_placement``, the block sets it (``"post"`` for
+    ``post_norm``, else ``"pre"``), so the resolved spec round-trips. Both written and
+    contradicting (``"post"`` with any other block, ``"pre"`` with ``post_norm``) is a problem
+    naming both paths. Per-layer blocks in ``model.overrides`` are not affected.
+    """
+    kind = getattr(registry, "kinds", {}).get("block")
+    model = data.get("model")
+    if kind is None or not kind.section or not isinstance(model, dict):
+        return []
+    placement = model.get("norm_placement")
+    if placement is not None and placement not in NORM_PLACEMENT_BLOCKS:
+        return []  # pass one reports it
+    table = get_at(data, kind.section)
+    name = table.get("name") if isinstance(table, dict) else None
+    if not isinstance(name, str):
+        if placement is not None and (table is None or isinstance(table, dict)):
+            implied = NORM_PLACEMENT_BLOCKS[placement]
+            set_at(data, kind.section, {**(table or {}), "name": implied})
+        return []
+    if placement is None:
+        model["norm_placement"] = "post" if name == NORM_PLACEMENT_BLOCKS["post"] else "pre"
+        return []
+    if (name == NORM_PLACEMENT_BLOCKS["post"]) != (placement == "post"):
+        return [
+            f"{kind.section}.name: block {name!r} contradicts model.norm_placement = "
+            f"{placement!r} (which selects block {NORM_PLACEMENT_BLOCKS[placement]!r}); "
+            "set only one of them (a spec this one extends may set norm_placement)"
+        ]
+    return []
 
 
 def acts_on(position: Resolved) -> set[str]:

@@ -52,6 +52,7 @@ helpers; this package re-exports the public names. pytest is imported only insid
 """
 
 from llmkit.testing.attention import check_attention, reference_attention
+from llmkit.testing.block import check_block
 from llmkit.testing.combinations import check_model_combination, tiny_model_spec
 from llmkit.testing.common import build_options, init_like_model, small_context
 from llmkit.testing.ffn import check_ffn
@@ -59,12 +60,14 @@ from llmkit.testing.generic import check_generic, check_options_model
 from llmkit.testing.norm import check_norm
 from llmkit.testing.optimizer import check_optimizer
 from llmkit.testing.position import check_position
+from llmkit.testing.qk_transform import check_qk_transform
 from llmkit.testing.schedule import check_schedule
 from llmkit.testing.suite import check_component, conformance_params
 
 __all__ = [
     "build_options",
     "check_attention",
+    "check_block",
     "check_component",
     "check_ffn",
     "check_generic",
@@ -73,6 +76,7 @@ __all__ = [
     "check_optimizer",
     "check_options_model",
     "check_position",
+    "check_qk_transform",
     "check_schedule",
     "conformance_params",
     "init_like_model",

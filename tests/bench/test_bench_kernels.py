@@ -204,7 +204,7 @@ def test_a_plugins_components_join_the_benchmarks(monkeypatch):
         reg = get_registry()
         if "extras" not in reg.plugins:
             pytest.skip("llmkit-extras is not installed")
-        for kind, name in (("attention", "qk_norm"), ("norm", "dyt")):
+        for kind, name in (("norm", "dyt"), ("norm", "scalenorm")):
             found = [e for e in bk.entries(kind) if e.label == name]
             assert found, f"{kind} {name} not among {[e.label for e in bk.entries(kind)]}"
             args = {"sizes": (16,), "modes": ("fwd+bwd",), "warmup": 0, "repeats": 1}

@@ -16,26 +16,9 @@ from llmkit import hookimpl
 
 __version__ = "0.1.0"
 
-ALL_POSITIONS = ["embedding", "qk", "score_bias"]
-
 
 @hookimpl
 def register_components(register: Callable[..., Any]) -> None:
-    register(
-        "attention",
-        "qk_norm",
-        "llmkit_extras.qk_norm:QKNormAttention",
-        summary="Softmax attention on RMS-normalized queries and keys (QK-norm), "
-        "bounding attention logits",
-        capabilities={
-            "positions": ALL_POSITIONS,
-            "kv_cache": True,
-            "gqa": True,
-            # Normalizing q and k changes the math on purpose: the suite skips the comparison
-            # with reference_attention (our own tests compare with it after normalizing).
-            "approximate": True,
-        },
-    )
     register(
         "norm",
         "dyt",
@@ -55,6 +38,13 @@ def register_components(register: Callable[..., Any]) -> None:
         "llmkit_extras.ademamix:build",
         summary="AdEMAMix: AdamW plus a slow momentum EMA mixed into the update "
         "(Pagliardini et al. 2024)",
+    )
+    register(
+        "qk_transform",
+        "qk_norm",
+        "llmkit_extras.qk_norm:QKNorm",
+        summary="RMS-normalized queries and keys (QK-norm) before positions and the kernel, "
+        "bounding attention logits",
     )
     register(
         "schedule",

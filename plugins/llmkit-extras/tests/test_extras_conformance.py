@@ -38,10 +38,10 @@ def _one_thread():
 
 def test_the_plugin_registers_what_it_documents():
     assert sorted(p.id for p in PARAMS) == [
-        "attention.qk_norm",
         "norm.dyt",
         "norm.scalenorm",
         "optimizer.ademamix",
+        "qk_transform.qk_norm",
         "schedule.rex",
     ]
     for param in PARAMS:
@@ -56,9 +56,9 @@ def test_component_conforms(record):
 
 
 VARIANTS = [
-    ("attention", "qk_norm", {"gain": "vector"}),
-    ("attention", "qk_norm", {"gain": "none"}),
-    ("attention", "qk_norm", {"dropout": 0.1}),
+    ("qk_transform", "qk_norm", {"gain": "scalar"}),
+    ("qk_transform", "qk_norm", {"gain": "none"}),
+    ("qk_transform", "qk_norm", {"shared": True}),
     ("norm", "dyt", {"alpha_init": 2.0, "bias": False}),
     ("norm", "dyt", {"bias": True}),
     ("norm", "scalenorm", {"scale_init": 1.0}),
@@ -77,19 +77,24 @@ def test_variant_conforms(kind, name, options):
     check_component(REGISTRY.get(kind, name), options)
 
 
+QK_NORM = {"qk_transform": {"name": "qk_norm"}}
+
+
 @pytest.mark.parametrize(
-    ("attention", "position", "ffn", "norm"),
+    ("attention", "position", "ffn", "norm", "model"),
     [
-        ("qk_norm", "rope", "swiglu", "dyt"),
-        ("qk_norm", "alibi", "mlp", "scalenorm"),
-        ("sdpa", "learned", "mlp", "dyt"),
+        ("sdpa", "rope", "swiglu", "dyt", QK_NORM),
+        ("flash", "alibi", "mlp", "scalenorm", QK_NORM),
+        ({"name": "sliding_window", "window": 4}, "rope", "mlp", "dyt", QK_NORM),
+        ("sdpa", "learned", "mlp", "dyt", {}),
     ],
+    ids=["sdpa-rope", "flash-alibi", "sliding_window-rope", "sdpa-learned"],
 )
-def test_parts_build_a_model_that_trains_and_decodes(attention, position, ffn, norm):
-    check_model_combination(attention, position, ffn, norm, registry=REGISTRY)
+def test_parts_build_a_model_that_trains_and_decodes(attention, position, ffn, norm, model):
+    check_model_combination(attention, position, ffn, norm, model=model, registry=REGISTRY)
 
 
 def test_example_spec_validates():
     rs = load_spec(SPECS / "tiny-extras.toml", registry=REGISTRY)
-    assert rs.layers[0].attention.name == "qk_norm" and rs.norm.name == "dyt"
+    assert rs.layers[0].get("qk_transform").name == "qk_norm" and rs.norm.name == "dyt"
     assert rs.optimizer.name == "ademamix" and rs.schedule.name == "rex"

@@ -9,13 +9,13 @@ import torch
 from llmkit_extras.ademamix import AdEMAMix, alpha_at, beta3_at
 from llmkit_extras.ademamix import Options as AdEMAMixOptions
 from llmkit_extras.dyt import DynamicTanh, DyTOptions
-from llmkit_extras.qk_norm import QKNormAttention, QKNormOptions
+from llmkit_extras.qk_norm import QKNorm, QKNormOptions
 from llmkit_extras.rex import Options as RexOptions
 from llmkit_extras.rex import build as build_rex
 from llmkit_extras.rex import rex
 from llmkit_extras.scalenorm import ScaleNorm, ScaleNormOptions
 
-from llmkit import DistanceBias, get_registry, reference_attention
+from llmkit import get_registry, reference_attention
 from llmkit.testing import small_context
 
 
@@ -40,51 +40,100 @@ def _rms(x):
     return x / x.pow(2).mean(-1, keepdim=True).add(1e-6).sqrt()
 
 
-@pytest.mark.parametrize("gain", ["scalar", "vector", "none"])
-def test_qk_norm_is_reference_attention_on_normalized_q_and_k(gain):
-    kernel = QKNormAttention(QKNormOptions(gain=gain), small_context()).eval()
-    if kernel.q_gain is not None:
+@pytest.mark.parametrize(
+    "options",
+    [{"gain": "vector"}, {"gain": "scalar"}, {"gain": "none"}, {"shared": True}],
+    ids=["vector", "scalar", "none", "shared"],
+)
+def test_qk_norm_is_rms_norm_over_the_head_dim_times_the_gain(options):
+    qk = QKNorm(QKNormOptions(**options), small_context())
+    for p in qk.parameters():
         with torch.no_grad():
-            kernel.q_gain.uniform_(0.5, 2.0)
-            kernel.k_gain.uniform_(0.5, 2.0)
-    gq = kernel.q_gain if kernel.q_gain is not None else 1.0
-    gk = kernel.k_gain if kernel.k_gain is not None else 1.0
-    q, k, v = _qkv()
-    mask = torch.ones(2, 10, dtype=torch.bool)
-    mask[1, :3] = False
-    bias = DistanceBias(torch.tensor([0.5, 0.25, 0.125, 0.0625]))
-    for kw in ({}, {"causal": False}, {"bias": bias}, {"key_padding_mask": mask}):
-        with torch.no_grad():
-            got = kernel(q, k, v, **kw)
-            want = reference_attention(_rms(q) * gq, _rms(k) * gk, v, **kw)
-        assert torch.allclose(got, want, atol=1e-5), kw
+            p.uniform_(0.5, 2.0)
+    gq = qk.gain if qk.options.shared else (qk.q_gain if qk.q_gain is not None else 1.0)
+    gk = qk.gain if qk.options.shared else (qk.k_gain if qk.k_gain is not None else 1.0)
+    q, k, _ = _qkv()
+    with torch.no_grad():
+        got_q, got_k = qk(q, k)
+    torch.testing.assert_close(got_q, _rms(q) * gq)
+    torch.testing.assert_close(got_k, _rms(k) * gk)
+    shapes = {n: tuple(p.shape) for n, p in qk.named_parameters()}
+    width = {"vector": 8, "scalar": 1}.get(options.get("gain", "vector"))
+    if options.get("shared"):
+        assert shapes == {"gain": (8,)}
+    else:
+        assert shapes == ({"q_gain": (width,), "k_gain": (width,)} if width else {})
 
 
 def test_qk_norm_bounds_logits_whatever_the_scale_of_q_and_k():
-    kernel = QKNormAttention(QKNormOptions(), small_context()).eval()
+    qk = QKNorm(QKNormOptions(), small_context())
     q, k, v = _qkv()
     with torch.no_grad():
-        small = kernel(q, k, v)
-        huge = kernel(q * 1e4, k * 1e4, v)
+        small = reference_attention(*qk(q, k), v)
+        huge = reference_attention(*qk(q * 1e4, k * 1e4), v)
         plain = reference_attention(q * 1e4, k * 1e4, v)  # without QK-norm: one-hot rows
     assert torch.allclose(small, huge, atol=1e-5)
     assert (plain - small).abs().max() > 0.1
 
 
-def test_qk_norm_with_scalar_gain_keeps_rotary_scores_relative():
+def test_qk_norm_before_rope_keeps_scores_relative_with_a_gain_per_dimension():
+    """Normalized first, rotated after (how llmkit's attention module applies a q/k
+    transform): shifting every position leaves the output unchanged, for every gain."""
     ctx = small_context(head_dim=8)
     rope_record = get_registry().get("position", "rope")  # built-ins come from the registry
     rope = rope_record.load()(rope_record.parse_options({}), ctx)
     q, k, v = _qkv()
     pos = torch.arange(10)
-    for gain, relative in (("scalar", True), ("vector", False)):
-        kernel = QKNormAttention(QKNormOptions(gain=gain), ctx).eval()
+    for gain in ("vector", "scalar"):
+        qk = QKNorm(QKNormOptions(gain=gain), ctx)
         with torch.no_grad():
-            kernel.q_gain.copy_(torch.linspace(0.5, 2.0, kernel.q_gain.numel()))
-            kernel.k_gain.copy_(torch.linspace(2.0, 0.5, kernel.k_gain.numel()))
-            a = kernel(*rope.rotate(q, k, pos), v)
-            b = kernel(*rope.rotate(q, k, pos + 17), v)
-        assert torch.allclose(a, b, atol=1e-5) == relative, gain
+            qk.q_gain.copy_(torch.linspace(0.5, 2.0, qk.q_gain.numel()))
+            qk.k_gain.copy_(torch.linspace(2.0, 0.5, qk.k_gain.numel()))
+            a = reference_attention(*rope.rotate(*qk(q, k), pos), v)
+            b = reference_attention(*rope.rotate(*qk(q, k), pos + 17), v)
+        assert torch.allclose(a, b, atol=1e-5), gain
+
+
+def test_qk_norm_in_a_model_runs_before_rope_for_every_kernel():
+    """The same weights give the same logits with sdpa, dense, flash and a sliding window
+    wider than the sequence: the transform sits in the attention module, not in a kernel."""
+    from llmkit import Registry, build_model, load_spec_dict
+
+    reg = Registry()
+    reg.load_entry_points(["extras"])  # llmkit's built-in plugin and this one
+
+    def model(attention):
+        spec = {
+            "model": {
+                "vocab_size": 64,
+                "d_model": 32,
+                "n_layers": 2,
+                "n_heads": 4,
+                "n_kv_heads": 2,
+                "max_seq_len": 16,
+                "position": {"name": "rope"},
+                "attention": attention,
+                "qk_transform": {"name": "qk_norm"},
+            }
+        }
+        torch.manual_seed(0)
+        return build_model(load_spec_dict(spec, registry=reg)).eval()
+
+    ref = model({"name": "dense"})
+    with torch.no_grad():
+        for n, p in ref.named_parameters():
+            if "qk_transform" in n:
+                p.uniform_(0.5, 2.0)
+    idx = torch.randint(0, 64, (2, 16))
+    for attention in (
+        {"name": "sdpa"},
+        {"name": "flash"},
+        {"name": "sliding_window", "window": 16},
+    ):
+        other = model(attention)
+        other.load_state_dict(ref.state_dict())
+        with torch.no_grad():
+            torch.testing.assert_close(other(idx).logits, ref(idx).logits, atol=2e-5, rtol=1e-4)
 
 
 def test_dyt_is_weight_tanh_alpha_x_plus_bias():

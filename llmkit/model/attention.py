@@ -1,0 +1,53 @@
+"""The attention *module*: projections, the q/k transform, positional hooks, the KV cache and
+the call of the attention *kernel* (a registered component computing softmax(QKᵀ/√d + bias)V).
+"""
+
+from __future__ import annotations
+
+from torch import Tensor, nn
+
+from llmkit.contracts import AttentionInputs, AttentionKernel, BuildContext
+
+__all__ = ["Attention"]
+
+
+class Attention(nn.Module):
+    """Fused QKV projection, output projection ``out_proj`` and the kernel.
+
+    Per call: project, apply the optional ``qk_transform`` to q and k (QK-norm), then the
+    positional scheme's q/k rotation, store k and v in the cache, and run the kernel with the
+    scheme's score bias. Keys are cached after the transform and the rotation, so decoding
+    never recomputes them.
+    """
+
+    def __init__(
+        self, ctx: BuildContext, kernel: AttentionKernel, qk_transform: nn.Module | None = None
+    ) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = ctx.n_heads, ctx.n_kv_heads, ctx.head_dim
+        qkv_out = (ctx.n_heads + 2 * ctx.n_kv_heads) * ctx.head_dim
+        self.qkv = nn.Linear(ctx.d_model, qkv_out, bias=ctx.bias)
+        self.out_proj = nn.Linear(ctx.n_heads * ctx.head_dim, ctx.d_model, bias=ctx.bias)
+        self.kernel = kernel
+        self.qk_transform = qk_transform
+
+    def forward(self, x: Tensor, inputs: AttentionInputs) -> Tensor:
+        """``x`` (B, T, C) → (B, T, C)."""
+        B, T, _ = x.shape
+        H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
+        q, k, v = self.qkv(x).split([H * D, Hkv * D, Hkv * D], dim=-1)
+        q = q.view(B, T, H, D).transpose(1, 2)  # (B, H, T, D)
+        k = k.view(B, T, Hkv, D).transpose(1, 2)  # (B, Hkv, T, D)
+        v = v.view(B, T, Hkv, D).transpose(1, 2)
+        if self.qk_transform is not None:
+            q, k = self.qk_transform(q, k)
+        position = inputs.position
+        q, k = position.rotate(q, k, inputs.positions)
+        mask = inputs.key_padding_mask
+        if inputs.cache is not None:
+            k, v, mask = inputs.cache.update(k, v, mask)
+        elif mask is not None:
+            mask = mask[:, -k.shape[2] :]
+        y = self.kernel(q, k, v, causal=True, bias=position.score_bias(), key_padding_mask=mask)
+        y = y.transpose(1, 2).reshape(B, T, H * D)
+        return self.out_proj(y)

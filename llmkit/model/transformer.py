@@ -1,0 +1,314 @@
+"""The decoder-only Transformer, assembled only from resolved components.
+
+For every layer the model builds the attention module (:class:`~llmkit.model.attention.
+Attention` around the layer's kernel and optional q/k transform), the ffn and a norm factory,
+and hands them to the layer's ``block`` component (:mod:`llmkit.contracts`).
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+from llmkit.contracts import (
+    AttentionInputs,
+    BlockParts,
+    BuildContext,
+    PositionalScheme,
+    SideOutputs,
+)
+from llmkit.errors import LlmkitError
+from llmkit.model import accounting
+from llmkit.model.attention import Attention
+from llmkit.model.cache import KVCache
+from llmkit.spec import LayerPlan, Resolved, ResolvedSpec
+
+__all__ = ["ModelOutput", "Transformer", "build", "build_model"]
+
+
+@dataclass
+class ModelOutput:
+    """Logits plus whatever components reported through the side channel."""
+
+    logits: Tensor
+    loss: Tensor | None = None  # language-modelling cross-entropy
+    aux_losses: dict[str, Tensor] = field(default_factory=dict)
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def total_loss(self) -> Tensor:
+        """The loss to optimize: LM loss plus every auxiliary loss."""
+        if self.loss is None:
+            raise ValueError("no targets were given, so there is no loss")
+        total = self.loss
+        for value in self.aux_losses.values():
+            total = total + value
+        return total
+
+
+def build(resolved: Resolved, ctx: BuildContext, *args: Any) -> nn.Module:
+    """Construct a model component as ``factory(options, ctx, *args)``, turning construction
+    errors into user errors."""
+    try:
+        return resolved.build(resolved.options, ctx, *args)
+    except (ValueError, TypeError) as exc:
+        where = f"layer {ctx.layer}" if ctx.layer >= 0 else "model"
+        raise LlmkitError(f"{resolved.kind} {resolved.name!r} ({where}): {exc}") from exc
+
+
+def build_layer(plan: LayerPlan, ctx: BuildContext) -> tuple[nn.Module, Attention]:
+    """The block of one layer and its attention module."""
+    qk = plan.get("qk_transform")
+    kernel = build(plan.attention, ctx)
+    attention = Attention(ctx, kernel, build(qk, ctx) if qk is not None else None)
+    ffn = build(plan.ffn, ctx)
+    parts = BlockParts(attention=attention, ffn=ffn, norm=lambda: build(plan.norm, ctx))
+    block = build(plan.block, ctx, parts)
+    kept = {id(m) for m in block.modules()}
+    for part, what in ((attention, "attention module"), (ffn, "ffn")):
+        if id(part) not in kept:
+            raise LlmkitError(
+                f"block {plan.block.name!r} (layer {ctx.layer}) does not keep the {what} it "
+                "was given as a submodule (see llmkit.contracts)"
+            )
+    return block, attention
+
+
+class Transformer(nn.Module):
+    """A decoder-only language model built from a :class:`ResolvedSpec`."""
+
+    def __init__(self, rs: ResolvedSpec) -> None:
+        super().__init__()
+        m = rs.model
+        self.spec = rs
+        self.config = m
+        ctx = BuildContext(
+            d_model=m.d_model,
+            n_heads=m.n_heads,
+            n_kv_heads=m.kv_heads,
+            head_dim=m.dim_head,
+            max_seq_len=m.max_seq_len,
+            n_layers=m.n_layers,
+            dropout=m.dropout,
+            bias=m.bias,
+        )
+        self.tok_emb = nn.Embedding(m.vocab_size, m.d_model)
+        self.position = build(rs.position, ctx)
+        # Positional schemes chosen per layer (q/k or score-bias sites); shared when equal.
+        self.layer_positions = nn.ModuleDict()
+        self._position_keys: list[str] = []
+        keys: dict[int, str] = {id(rs.position): ""}
+        for j, plan in enumerate(rs.layers):
+            if id(plan.position) not in keys:
+                key = f"p{len(self.layer_positions)}"
+                self.layer_positions[key] = build(plan.position, replace(ctx, layer=j))
+                keys[id(plan.position)] = key
+            self._position_keys.append(keys[id(plan.position)])
+        self.drop = nn.Dropout(m.dropout)
+        built = [build_layer(plan, replace(ctx, layer=j)) for j, plan in enumerate(rs.layers)]
+        self.layers = nn.ModuleList(block for block, _ in built)
+        self._attention = [attention for _, attention in built]  # not registered twice
+        self.norm_f = build(rs.norm, ctx) if m.final_norm else nn.Identity()
+        self.lm_head = nn.Linear(m.d_model, m.vocab_size, bias=False)
+        if m.tie_embeddings:
+            self.lm_head.weight = self.tok_emb.weight
+        self.reset_parameters()
+        self.activation_checkpointing = False
+        self._reporters = [
+            (n, mod) for n, mod in self.named_modules() if isinstance(mod, SideOutputs)
+        ]
+
+    @property
+    def attention_modules(self) -> list[Attention]:
+        """Each layer's attention module, in layer order (wherever its block keeps it)."""
+        return self._attention
+
+    # -- init --------------------------------------------------------------------------------
+    def reset_parameters(self) -> None:
+        """Normal(0, init_std) for linear and embedding weights, zero biases; output
+        projections named ``out_proj`` scaled by 1/sqrt(2·n_layers) (GPT-2). A module with
+        its own ``init_weights(std)`` method initializes itself."""
+        m = self.config
+        std = m.init_std
+        residual_std = std / math.sqrt(2 * m.n_layers) if m.scaled_residual_init else std
+        self_init: list[str] = []  # modules that initialize themselves, and their children
+        for name, mod in self.named_modules():
+            if any(name.startswith(f"{p}.") for p in self_init):
+                continue
+            if mod is not self and hasattr(mod, "init_weights"):
+                params = inspect.signature(mod.init_weights).parameters
+                if "residual_std" in params:
+                    mod.init_weights(std, residual_std=residual_std)
+                else:
+                    mod.init_weights(std)
+                self_init.append(name)
+            elif isinstance(mod, nn.Linear):
+                is_out = name.rsplit(".", 1)[-1] == "out_proj"
+                nn.init.normal_(mod.weight, 0.0, residual_std if is_out else std)
+                if mod.bias is not None:
+                    nn.init.zeros_(mod.bias)
+            elif isinstance(mod, nn.Embedding):
+                nn.init.normal_(mod.weight, 0.0, std)
+
+    # -- forward -----------------------------------------------------------------------------
+    def layer_position(self, j: int) -> PositionalScheme:
+        key = self._position_keys[j]
+        return self.position if not key else self.layer_positions[key]
+
+    def forward(
+        self,
+        idx: Tensor,
+        targets: Tensor | None = None,
+        *,
+        cache: KVCache | None = None,
+        positions: Tensor | None = None,
+        key_padding_mask: Tensor | None = None,
+        last_only: bool = False,
+    ) -> ModelOutput:
+        """``idx`` (B, T) token ids; ``targets`` (B, T) with -100 to ignore.
+
+        With a ``cache``, ``idx`` holds only the new tokens and positions continue from the
+        cache. ``key_padding_mask`` marks real tokens (True) against padding (False): (B, T)
+        for the tokens of this call (a cache remembers earlier ones) or, with a cache,
+        (B, cache.position + T) for every token so far. With a mask, a token's default
+        position is the number of real tokens before it in its row, so a left-padded prompt
+        is positioned exactly as if it were alone. ``positions`` (T,) or (B, T) overrides
+        the default positions. ``last_only`` computes the logits of the last position only.
+        """
+        T = idx.shape[1]
+        if key_padding_mask is not None:
+            key_padding_mask = self._new_token_mask(key_padding_mask, idx, cache)
+        if cache is not None and key_padding_mask is not None and cache.seen is None:
+            # the first mask: every row so far held real tokens only
+            cache.seen = torch.full(
+                (idx.shape[0],), cache.position, dtype=torch.long, device=idx.device
+            )
+        if positions is None:
+            positions = self._default_positions(idx, cache, key_padding_mask)
+        if cache is not None and cache.seen is not None:
+            real = T if key_padding_mask is None else key_padding_mask.sum(1)
+            cache.seen = cache.seen + real
+        x = self.tok_emb(idx)  # (B, T, C)
+        x = self.position.embed(x, positions)
+        if self.training and self.drop.p > 0:
+            x = self.drop(x)
+        recompute = self.activation_checkpointing and self.training and cache is None
+        for j, block in enumerate(self.layers):
+            inputs = AttentionInputs(
+                self.layer_position(j),
+                positions,
+                cache.layers[j] if cache is not None else None,
+                key_padding_mask,
+            )
+            x = checkpoint(block, x, inputs, use_reentrant=False) if recompute else block(x, inputs)
+        if cache is not None:
+            cache.position += T
+        if last_only and targets is None:
+            x = x[:, -1:, :]  # norms act per token, so slicing first is exact
+        x = self.norm_f(x)
+        logits = self.lm_head(x)
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(
+                logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-100
+            )
+        aux, metrics = self.collect_side_outputs()
+        return ModelOutput(logits, loss, aux, metrics)
+
+    @staticmethod
+    def _new_token_mask(mask: Tensor, idx: Tensor, cache: KVCache | None) -> Tensor:
+        b, t = idx.shape
+        mask = mask.to(device=idx.device, dtype=torch.bool)
+        total = t + (cache.position if cache is not None else 0)
+        if mask.dim() != 2 or mask.shape[0] != b or mask.shape[1] not in (t, total):
+            expected = f"({b}, {t})" + (f" or ({b}, {total})" if total != t else "")
+            raise ValueError(f"key_padding_mask has shape {tuple(mask.shape)}; expected {expected}")
+        return mask[:, -t:] if t else mask[:, :0]
+
+    @staticmethod
+    def _default_positions(idx: Tensor, cache: KVCache | None, mask: Tensor | None) -> Tensor:
+        t = idx.shape[1]
+        if mask is None and (cache is None or cache.seen is None):
+            start = cache.position if cache is not None else 0
+            return torch.arange(start, start + t, device=idx.device)
+        before = cache.seen if cache is not None and cache.seen is not None else None
+        if mask is None:
+            assert before is not None
+            return before[:, None] + torch.arange(t, device=idx.device)
+        m = mask.long()
+        pos = m.cumsum(1) - m  # real tokens before each token of this call
+        return pos if before is None else pos + before[:, None]
+
+    @property
+    def supports_kv_cache(self) -> bool:
+        """Whether every layer's components can decode through a KV cache: the attention
+        must declare ``kv_cache = true`` in its capabilities (as the conformance suite
+        assumes); any other component may opt out with ``kv_cache = false``."""
+        for plan in self.spec.layers:
+            if not plan.attention.record.capabilities.get("kv_cache", False):
+                return False
+            for slot, part in plan.slots.items():
+                if slot != "attention" and part.record.capabilities.get("kv_cache", True) is False:
+                    return False
+        return self.spec.position.record.capabilities.get("kv_cache", True) is not False
+
+    def collect_side_outputs(self) -> tuple[dict[str, Tensor], dict[str, Any]]:
+        aux: dict[str, Tensor] = {}
+        metrics: dict[str, Any] = {}
+        for name, mod in self._reporters:
+            losses, mets = mod.pop_side_outputs()
+            aux.update({f"{name}.{k}": v for k, v in losses.items()})
+            metrics.update({f"{name}.{k}": v for k, v in mets.items()})
+        return aux, metrics
+
+    def new_cache(self, capacity: int | None = None) -> KVCache:
+        """An empty KV cache; ``capacity`` (tokens) preallocates its buffers."""
+        return KVCache(self, capacity)
+
+    # -- accounting (llmkit.model.accounting) ------------------------------------------------
+    def num_params(self, exclude_embeddings: bool = False) -> int:
+        """Unique parameters; optionally without token and position embeddings."""
+        return accounting.num_params(self, exclude_embeddings)
+
+    def active_params(self) -> int:
+        """Parameters used per token (routed experts count only when active)."""
+        return accounting.active_params(self)
+
+    def flops_per_token(self, seq_len: int | None = None) -> dict[str, float]:
+        """Forward and training FLOPs per token (PaLM appendix B)."""
+        return accounting.flops_per_token(self, seq_len)
+
+    def kv_cache_bytes_per_token(self, dtype: torch.dtype = torch.float32) -> int:
+        """Bytes of K and V stored per token."""
+        return accounting.kv_cache_bytes_per_token(self, dtype)
+
+    def training_memory(
+        self,
+        batch_size: int,
+        seq_len: int | None = None,
+        *,
+        param_bytes: int = 4,
+        activation_bytes: int = 2,
+        optimizer_states: int = 2,
+    ) -> dict[str, int]:
+        """Estimated bytes a training step needs (Korthikanti et al. 2022)."""
+        return accounting.training_memory(
+            self,
+            batch_size,
+            seq_len,
+            param_bytes=param_bytes,
+            activation_bytes=activation_bytes,
+            optimizer_states=optimizer_states,
+        )
+
+
+def build_model(rs: ResolvedSpec) -> Transformer:
+    """Build the model a resolved spec describes."""
+    return Transformer(rs)
