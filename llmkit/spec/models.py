@@ -55,7 +55,9 @@ class ModelSpec(Strict):
     dropout: float = Field(0.0, ge=0, lt=1, description="Embedding and residual dropout.")
     bias: bool = Field(True, description="Biases in linear layers (and norms that take one).")
     tie_embeddings: bool = Field(True, description="Share input embedding and output head.")
-    norm_placement: Literal["pre", "post"] = Field("pre", description="Pre-LN or post-LN blocks.")
+    norm_placement: Literal["pre", "post"] = Field(
+        "pre", description="Shorthand for model.block = pre_norm / post_norm."
+    )
     final_norm: bool = Field(True, description="A norm before the output head.")
     init_std: float = Field(0.02, gt=0, description="Std of the normal weight init.")
     scaled_residual_init: bool = Field(
