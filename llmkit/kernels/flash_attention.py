@@ -510,12 +510,12 @@ class BlockConfig(NamedTuple):
     num_stages: int = 2
 
 
-#: GPU tiles (fwd, dkdv, dq) by padded head dim, for fp16/bf16 and for fp32. Compiled ahead
-#: of time for sm_80, sm_86 and sm_90 with triton 3.6 and 3.9 (benchmarks/aot_compile_check.py,
-#: no GPU needed): shared memory ≤ 96 KiB on sm_80/86 (sm_86/89 allow 99 KiB per block) and
-#: ≤ 128 KiB on sm_90 (227), register spills at most a few hundred bytes. fp32 tiles are
-#: small: IEEE fp32 dots run on FMA units, whose operand layouts keep whole head-dim rows in
-#: registers (the 16-bit tiles spilled up to ~11 KB per thread in fp32).
+#: GPU tiles (fwd, dkdv, dq) by padded head dim, for fp16/bf16 and for fp32. Compiled ahead of time
+#: for sm_80, sm_86 and sm_90 with triton 3.6 and 3.9 (benchmarks/scripts/aot_compile_check.py, no
+#: GPU needed): shared memory ≤ 96 KiB on sm_80/86 (sm_86/89 allow 99 KiB per block) and ≤ 128 KiB
+#: on sm_90 (227), register spills at most a few hundred bytes. fp32 tiles are small: IEEE fp32
+#: dots run on FMA units, whose operand layouts keep whole head-dim rows in registers (the 16-bit
+#: tiles spilled up to ~11 KB per thread in fp32).
 _GPU_CONFIGS_16BIT = (
     (64, BlockConfig(128, 64, 4, 3), BlockConfig(32, 128, 4, 3), BlockConfig(128, 32, 4, 3)),
     (128, BlockConfig(128, 64, 8, 3), BlockConfig(32, 128, 8, 2), BlockConfig(128, 32, 8, 2)),

@@ -1,4 +1,4 @@
-"""Kernel benchmarks (llmkit.bench.kernels, `llmkit bench kernels`, benchmarks/gpu_check.py)
+"""Kernel benchmarks (llmkit.bench.kernels, `llmkit bench kernels`, benchmarks/scripts/gpu_check.py)
 on tiny CPU shapes: records, FLOP formulas, the memory measure, JSON/PNG/table output, the
 command line's errors, and the GPU check's CPU dry run."""
 
@@ -316,7 +316,7 @@ def test_cli_quick_norm(capsys, tmp_path):
 
 
 def test_gpu_check_dry_run(tmp_path, capsys):
-    from benchmarks import gpu_check
+    from benchmarks.scripts import gpu_check
 
     code = gpu_check.main(["--dry-run", "--out", str(tmp_path)])
     out = capsys.readouterr().out
@@ -336,7 +336,7 @@ def test_gpu_check_dry_run(tmp_path, capsys):
 
 
 def test_gpu_check_reports_missing_components(tmp_path, capsys):
-    from benchmarks import gpu_check
+    from benchmarks.scripts import gpu_check
 
     argv = ["--dry-run", "--skip-bench", "--out", str(tmp_path), "--components"]
     code = gpu_check.main([*argv, "attention.nope,norm.rmsnorm"])
@@ -348,7 +348,7 @@ def test_gpu_check_reports_missing_components(tmp_path, capsys):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present")
 def test_gpu_check_without_cuda_fails_clearly(tmp_path):
     """The shell wrapper, as it would be run: no GPU → exit 2 with a one-line reason."""
-    script = ROOT / "benchmarks" / "gpu_check.sh"
+    script = ROOT / "benchmarks" / "scripts" / "gpu_check.sh"
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
     env = {**os.environ, "PYTHON": str(ROOT / ".venv" / "bin" / "python")}
     if not os.path.exists(env["PYTHON"]):

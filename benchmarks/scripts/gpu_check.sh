@@ -3,8 +3,8 @@
 # against PyTorch SDPA's flash backend. Needs a CUDA GPU; takes a few minutes on an H200
 # (the benchmarks stop at a 420 s budget, the whole run is killed at $GPU_CHECK_TIMEOUT s).
 #
-#   bash benchmarks/gpu_check.sh [OUT_DIR] [gpu_check.py options]
-#   bash benchmarks/gpu_check.sh --fetch-wheels    # on a machine with pip access, see below
+#   bash benchmarks/scripts/gpu_check.sh [OUT_DIR] [gpu_check.py options]
+#   bash benchmarks/scripts/gpu_check.sh --fetch-wheels    # on a machine with pip access, see below
 #
 # OUT_DIR defaults to $OUT, else ./gpu-check; it receives gpu_check.md (the tables),
 # gpu_check.json and PNG plots; the .md and .json are rewritten after every check and
@@ -24,7 +24,7 @@
 # x86-64 into .whl/ and git-excludes it; when .whl/ exists (name it in the device tool's
 # `carry`), they are installed into a temporary folder first and put on PYTHONPATH.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 
 wheels=.whl
 if [ "${1:-}" = "--fetch-wheels" ]; then
@@ -85,7 +85,7 @@ sys.exit(1 if gone else 0)
 EOF
 ); then
     echo "error: $py lacks Python packages: $missing" >&2
-    echo "  (for pydantic & co: run 'bash benchmarks/gpu_check.sh --fetch-wheels' where pip" >&2
+    echo "  (for pydantic & co: run 'bash benchmarks/scripts/gpu_check.sh --fetch-wheels' where pip" >&2
     echo "  works, then bring .whl/ along; torch and triton must come with the machine)" >&2
     exit 2
 fi
@@ -106,7 +106,7 @@ for attempt in 1 2 3 4; do
         break
     fi
     rc=0
-    timeout -k 10 "$left" "$py" -m benchmarks.gpu_check --out "$out" ${resume[@]+"${resume[@]}"} "$@" \
+    timeout -k 10 "$left" "$py" -m benchmarks.scripts.gpu_check --out "$out" ${resume[@]+"${resume[@]}"} "$@" \
         || rc=$?
     # 3: a kernel broke the CUDA context; > 128: killed by a signal (a crash), except
     # timeout's own SIGKILL (137) and SIGTERM (124 is timeout's status).

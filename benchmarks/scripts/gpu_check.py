@@ -1,7 +1,7 @@
 """GPU check of the Triton kernels: correctness in bf16, then speed against PyTorch SDPA.
 
-Run on a machine with a CUDA GPU (``bash benchmarks/gpu_check.sh [OUT]``, or
-``python -m benchmarks.gpu_check --out OUT`` from the repository root). Components are
+Run on a machine with a CUDA GPU (``bash benchmarks/scripts/gpu_check.sh [OUT]``, or
+``python -m benchmarks.scripts.gpu_check --out OUT`` from the repository root). Components are
 resolved by name through the registry, so the real components run, Triton paths included.
 
 1. Correctness, the way flash-attention tests it: every kernel runs in bf16 on the GPU and is

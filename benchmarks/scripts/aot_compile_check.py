@@ -11,7 +11,7 @@ being run. For each compiled kernel it reports the shared memory against the arc
 per-block limit and, from ``cuobjdump -res-usage``, registers and stack (a stack frame
 means register spills).
 
-    python -m benchmarks.aot_compile_check [--arch 80,86,90] [--full] [--json OUT]
+    python -m benchmarks.scripts.aot_compile_check [--arch 80,86,90] [--full] [--json OUT]
 
 Default matrix: bf16 and fp32 (IEEE and TF32 dots) × head dim 32/64/128/256 × (causal,
 ALiBi, padding mask all on | all off | a causal window: the kernels

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # CPU scaling of llmkit train: 1 process vs 2 torchrun processes (gloo), specs/tiny.toml,
 # 40 steps each, the tokenizer and token cache shared. Prints median tokens/s (all ranks)
-# and the final val loss of each run.   bash benchmarks/distributed_scaling.sh [WORK_DIR]
+# and the final val loss of each run.   bash benchmarks/scripts/distributed_scaling.sh [WORK_DIR]
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 export LLMKIT_PLUGINS=""
 L=.venv/bin/llmkit
 TR=".venv/bin/torchrun --standalone --nproc-per-node 2 -m llmkit.cli"
