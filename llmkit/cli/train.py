@@ -79,26 +79,18 @@ def _train(args: argparse.Namespace) -> int:
         markup=False,
     )
     if not args.no_sample:
-        print_sample(result.run_dir)
+        print_sample(result)
     return 0
 
 
-def print_sample(run_dir: Any) -> None:
-    """The spec's end-of-training sample (``train.sample_prompt``, ``sample_tokens``)."""
-    from llmkit.cli.generate import complete
-    from llmkit.inference import Sampling
-    from llmkit.runs import load_run
+def print_sample(result: Any) -> None:
+    """The spec's end-of-training sample, from the model training left in memory."""
+    from llmkit.training import sample_text
 
-    run = load_run(run_dir)
-    t = run.spec.spec.train
-    if t.sample_tokens <= 0:
+    text = sample_text(result)
+    if text is None:  # sample_tokens = 0, or a rank other than 0
         return
-    text = complete(
-        run,
-        t.sample_prompt,
-        Sampling(max_new_tokens=t.sample_tokens, temperature=0.8, top_k=50, seed=t.seed),
-    )
     con = console()
     con.rule("sample")
-    con.print(t.sample_prompt + text, markup=False, highlight=False)
+    con.print(text, markup=False, highlight=False)
     con.rule()

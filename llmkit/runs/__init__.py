@@ -1,7 +1,23 @@
-"""Run directories: creating them, saving the spec, and loading a trained model back."""
+"""Run directories: their layout, saving the spec, and the one way to open a run again.
+
+Layout of ``<run>/``::
+
+    spec.yaml          the merged spec (extends and --set applied); reloadable
+    resolved.json      every default and every layer's component spelled out
+    tokenizer.json     the tokenizer the run trained or loaded
+    metrics.jsonl      one JSON object per logged step and evaluation
+    loss.png           the loss curve
+    model.safetensors  the final weights
+    checkpoints/       see :mod:`llmkit.runs.checkpoints`
+
+:func:`open_run` finds a run from its directory or one of its checkpoints and reads its spec;
+everything that reads a run back — resuming training, generation, evaluation, benchmarks —
+goes through it (:func:`load_run` adds the model's weights and the tokenizer).
+"""
 
 from __future__ import annotations
 
+import copy
 import json
 import time
 from dataclasses import dataclass
@@ -10,9 +26,9 @@ from typing import Any
 
 import yaml
 
-from llmkit.runs.checkpoints import WEIGHTS, Checkpoints, load_weights
 from llmkit.errors import LlmkitError
-from llmkit.spec import ResolvedSpec, load_spec
+from llmkit.runs.checkpoints import WEIGHTS, Checkpoints, load_weights
+from llmkit.spec import ResolvedSpec, apply_override, load_raw, resolve
 
 SPEC_FILE = "spec.yaml"  # the merged spec (extends and --set applied); reloadable
 RESOLVED_FILE = "resolved.json"  # every default and every layer's component spelled out
@@ -32,6 +48,67 @@ def save_spec(rs: ResolvedSpec, run_dir: Path) -> None:
 
 
 @dataclass
+class Run:
+    """A run directory as found on disk: its spec as saved (not yet resolved), and the
+    checkpoint directory it was opened at, if any."""
+
+    dir: Path
+    raw: dict[str, Any]
+    checkpoint: Path | None = None
+
+    @property
+    def spec_file(self) -> Path:
+        return self.dir / SPEC_FILE
+
+    def resolve(self, overrides: list[str] | None = None, registry: Any = None) -> ResolvedSpec:
+        """The run's spec with ``--set`` overrides, resolved (once per call)."""
+        data = copy.deepcopy(self.raw)
+        for assignment in overrides or []:
+            apply_override(data, assignment)
+        return resolve(data, source=str(self.spec_file), registry=registry)
+
+    def weights(self, which: str = "final") -> Path:
+        """The weights file: the checkpoint it was opened at, else the final weights
+        (``which="final"``), the best checkpoint's or the latest one's; a run without final
+        weights falls back to its latest (and best to latest) checkpoint."""
+        if self.checkpoint is not None:
+            return self.checkpoint / WEIGHTS
+        if which == "final" and (self.dir / WEIGHTS).is_file():
+            return self.dir / WEIGHTS
+        ckpts = Checkpoints(self.dir)
+        chosen = ckpts.best() if which == "best" else ckpts.latest()
+        if chosen is None and which == "best":
+            chosen = ckpts.latest()
+        if chosen is None:
+            raise LlmkitError(f"{self.dir}: the run has no weights yet")
+        return chosen / WEIGHTS
+
+    def tokenizer(self, rs: ResolvedSpec | None = None) -> Any:
+        """The run's tokenizer; its EOS is the spec's first special token."""
+        from llmkit.data.tokenizer import Tokenizer
+
+        specials = (rs.spec if rs is not None else self.resolve().spec).tokenizer.special_tokens
+        eos = specials[0] if specials else None
+        return Tokenizer.load(self.dir / TOKENIZER_FILE, eos_token=eos)
+
+
+def open_run(path: str | Path) -> Run:
+    """The run at ``path``: a run directory, or a checkpoint directory inside one
+    (``<run>/checkpoints/step-N``). Reads ``spec.yaml`` as the spec files are read, without
+    resolving it."""
+    p = Path(path)
+    if not p.exists():
+        raise LlmkitError(f"run not found: {p}")
+    checkpoint = None
+    in_run = (p / WEIGHTS).is_file() and (p.parent.parent / SPEC_FILE).is_file()
+    if not (p / SPEC_FILE).is_file() and in_run:  # <run>/checkpoints/step-N
+        p, checkpoint = p.parent.parent, p
+    if not (p / SPEC_FILE).is_file():
+        raise LlmkitError(f"{p} is not a run directory or checkpoint (no {SPEC_FILE})")
+    return Run(p, load_raw(p / SPEC_FILE), checkpoint)
+
+
+@dataclass
 class LoadedRun:
     spec: ResolvedSpec
     model: Any
@@ -42,36 +119,18 @@ class LoadedRun:
 
 def find_weights(path: Path, which: str = "final") -> tuple[Path, Path]:
     """(run_dir, weights file) for a run directory or a checkpoint directory."""
-    if which == "final" and (path / WEIGHTS).is_file() and (path / SPEC_FILE).is_file():
-        return path, path / WEIGHTS
-    if (path / WEIGHTS).is_file() and (path.parent.parent / SPEC_FILE).is_file():
-        return path.parent.parent, path / WEIGHTS  # <run>/checkpoints/step-N
-    if (path / SPEC_FILE).is_file():
-        ckpts = Checkpoints(path)
-        chosen = ckpts.best() if which == "best" else ckpts.latest()
-        if chosen is None and which == "best":
-            chosen = ckpts.latest()
-        if chosen is not None:
-            return path, chosen / WEIGHTS
-        raise LlmkitError(f"{path}: the run has no weights yet")
-    raise LlmkitError(f"{path} is not a run directory or checkpoint (no {SPEC_FILE})")
+    run = open_run(path)
+    return run.dir, run.weights(which)
 
 
 def load_run(path: str | Path, which: str = "final", device: str = "cpu") -> LoadedRun:
     """Rebuild the model of a run from its spec and load its weights and tokenizer."""
     from llmkit.model import build_model
-    from llmkit.data.tokenizer import Tokenizer
 
-    p = Path(path)
-    if not p.exists():
-        raise LlmkitError(f"run not found: {p}")
-    run_dir, weights = find_weights(p, which)
-    rs = load_spec(run_dir / SPEC_FILE)
+    run = open_run(path)
+    weights = run.weights(which)
+    rs = run.resolve()
     model = build_model(rs)
     load_weights(model, weights)
     model.to(device).eval()
-    specials = rs.spec.tokenizer.special_tokens
-    tokenizer = Tokenizer.load(
-        run_dir / TOKENIZER_FILE, eos_token=specials[0] if specials else None
-    )
-    return LoadedRun(rs, model, tokenizer, weights, run_dir)
+    return LoadedRun(rs, model, run.tokenizer(rs), weights, run.dir)

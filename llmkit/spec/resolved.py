@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -92,6 +94,18 @@ class ResolvedSpec:
     def component(self, kind: str) -> Resolved | None:
         """The spec's component of a kind that is not chosen per layer (None if absent)."""
         return next((r for r in self.components.values() if r.kind == kind), None)
+
+    def with_vocab_size(self, n: int) -> ResolvedSpec:
+        """A copy whose model has ``n`` token embeddings — the tokenizer's actual size — in
+        ``spec`` and ``raw`` alike. Nothing is resolved again: no component's options or
+        check depends on the vocabulary, which is only read when the model is built."""
+        if n <= 0:
+            raise ValueError(f"vocab_size must be positive, not {n}")
+        raw = copy.deepcopy(self.raw)
+        raw.setdefault("model", {})["vocab_size"] = n
+        model = self.spec.model.model_copy(update={"vocab_size": n})
+        spec = self.spec.model_copy(update={"model": model})
+        return dataclasses.replace(self, spec=spec, raw=raw)
 
     def to_dict(self) -> dict[str, Any]:
         """The fully resolved spec: defaults filled, one entry per layer."""

@@ -1,25 +1,21 @@
 """Training on several processes with PyTorch's own distributed engine.
 
 ``llmkit train`` launched by ``torchrun`` finds ``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` in
-its environment, joins the process group (nccl on CUDA, gloo on CPU) and wraps the model as
-``train.parallel`` says:
-
-- ``ddp``: :class:`torch.nn.parallel.DistributedDataParallel`, every rank a full replica;
-- ``fsdp``: FSDP2 ``fully_shard`` on every transformer block and then the root, with a
-  mixed-precision policy from ``train.precision`` and optional CPU offload.
-
-The trainer talks to one :class:`DistContext` and never to ``torch.distributed`` itself, so
-a single process is the same code with ``world_size == 1``.
+its environment and joins the process group (nccl on CUDA, gloo on CPU). This module is the
+plumbing: :class:`DistContext` (rank, world size, collectives), sharded state for
+``torch.distributed.checkpoint``, and a clean exit. What differs between a single process,
+DDP and FSDP is decided in one place, :class:`llmkit.training.strategy.ParallelStrategy`;
+the trainer never calls ``torch.distributed`` itself, and a single process is the same code
+with ``world_size == 1``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
-import logging
 import os
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,8 +23,6 @@ import torch
 from torch import nn
 
 from llmkit.errors import LlmkitError
-
-log = logging.getLogger("llmkit.training.distributed")
 
 #: Set once a process group was created here; ``exit_process`` then tears it down.
 _INITIALIZED = False
@@ -126,50 +120,6 @@ def setup(parallel: str, device: str, timeout_s: float) -> DistContext:
         torch.distributed.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
         _INITIALIZED = True
     return DistContext(rank, world, local_rank, chosen, dev)
-
-
-def wrap(model: nn.Module, ctx: DistContext, train: Any, precision: str) -> nn.Module:
-    """The module the training step calls: ``model`` itself, a DDP wrapper, or ``model``
-    sharded in place by FSDP2 (per block, then the root)."""
-    if not ctx.distributed:
-        return model
-    if ctx.parallel == "ddp":
-        from torch.nn.parallel import DistributedDataParallel
-
-        ids = [ctx.device.index] if ctx.device.type == "cuda" else None
-        return DistributedDataParallel(model, device_ids=ids)
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
-
-    mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
-    low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
-    kw: dict[str, Any] = {
-        "mesh": mesh,
-        "mp_policy": MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32),
-        "reshard_after_forward": train.fsdp_reshard_after_forward,
-    }
-    if train.fsdp_cpu_offload and ctx.device.type != "cpu":
-        kw["offload_policy"] = CPUOffloadPolicy()
-    elif train.fsdp_cpu_offload and ctx.is_main:
-        log.info("train.fsdp_cpu_offload: training on the CPU already; nothing to offload")
-    for block in model.layers:
-        fully_shard(block, **kw)
-    fully_shard(model, **kw)
-    return model
-
-
-@contextlib.contextmanager
-def grad_sync(module: nn.Module, ctx: DistContext, sync: bool) -> Iterator[None]:
-    """Skip the gradient all-reduce on non-final micro-steps of an accumulation."""
-    if not ctx.distributed:
-        yield
-        return
-    if ctx.parallel == "ddp":
-        with contextlib.nullcontext() if sync else module.no_sync():
-            yield
-        return
-    module.set_requires_gradient_sync(sync)  # FSDP2: also reduce-scatters only when True
-    yield
 
 
 def full_tensor(x: torch.Tensor) -> torch.Tensor:

@@ -1,9 +1,14 @@
 """llmkit-losses: a new component kind, ``loss``, declared through ``register_kinds``.
 
 A ``loss`` component maps ``(logits, targets)`` to the scalar a training step minimizes (the
-contract is :class:`llmkit_losses.base.Loss`). llmkit's trainer does not consume this kind
-(it minimizes the model's cross-entropy plus auxiliary losses); the losses are used from
-Python, in your own training loop::
+contract is :class:`llmkit_losses.base.Loss`). The kind lives at ``train.loss`` in a spec
+(optional: without it llmkit trains on the model's own cross-entropy)::
+
+    [train]
+    loss = { name = "z_loss", weight = 1e-4 }
+
+and llmkit's trainer then minimizes that loss of the logits plus the model's auxiliary losses,
+and reports it as the validation loss. The losses also work in your own training loop::
 
     from llmkit_losses import build_loss
     loss_fn = build_loss({"name": "z_loss", "weight": 1e-4})
@@ -11,9 +16,8 @@ Python, in your own training loop::
     loss = loss_fn(out.logits, targets) + sum(out.aux_losses.values())
 
 They are listed and documented like every component (``llmkit list loss``, ``llmkit show
-loss z_loss``) and checked by llmkit's conformance suite, to which this plugin adds a check
-for its kind (:func:`llmkit_losses.conformance.check_loss`, put into
-``llmkit.testing.KIND_CHECKS`` when a loss module is imported).
+loss z_loss``) and checked by llmkit's conformance suite with the check the kind declares
+(:func:`llmkit_losses.conformance.check_loss`).
 
 This module imports neither torch nor the components: targets are lazy ``"module:attr"``.
 """
@@ -36,6 +40,9 @@ def register_kinds(register: Callable[..., None]) -> None:
         KIND,
         "Training objective: (logits, targets) → scalar, a mean over non-ignored targets",
         contract="llmkit_losses.base:Loss",
+        section="train.loss",
+        build="Loss(options) -> nn.Module; forward(logits (..., V), targets (...)) -> 0-dim",
+        check="llmkit_losses.conformance:check_loss",
     )
 
 
@@ -66,16 +73,14 @@ def build_loss(ref: str | Mapping[str, Any] = "cross_entropy", registry: Any = N
     (so losses from other plugins work too) and validated by the loss's options model.
 
     ``registry`` defaults to llmkit's process registry, which loads this plugin unless
-    ``$LLMKIT_PLUGINS`` leaves it out. Raises :class:`llmkit.errors.LlmkitError` for an
+    ``$LLMKIT_PLUGINS`` leaves it out. Raises :class:`llmkit.LlmkitError` for an
     unknown loss or invalid options.
     """
     from pydantic import ValidationError
 
-    from llmkit.errors import LlmkitError
+    from llmkit import LlmkitError, get_registry
 
     if registry is None:
-        from llmkit.registry import get_registry
-
         registry = get_registry()
     if KIND not in registry.kinds:
         raise LlmkitError(

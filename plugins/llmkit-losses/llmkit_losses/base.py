@@ -8,8 +8,8 @@ size; 0 with a zero gradient when every target is ignored). Logits at ignored po
 not affect it. It may report metrics through llmkit's ``SideOutputs``
 (``self.report_metric``), e.g. the parts of a composite objective.
 
-Importing this module registers :func:`llmkit_losses.conformance.check_loss` as the
-conformance check of the kind.
+The kind's conformance check is :func:`llmkit_losses.conformance.check_loss`, named in its
+``register_kinds`` record.
 """
 
 from __future__ import annotations
@@ -19,9 +19,6 @@ from pydantic import Field
 from torch import Tensor, nn
 
 from llmkit import ComponentOptions, SideOutputs
-from llmkit_losses import conformance
-
-conformance.register_check()
 
 IGNORE_INDEX = -100
 

@@ -161,8 +161,3 @@ def check_loss(
         record,
         "with every target ignored the logits still receive a gradient",
     )
-
-
-def register_check() -> None:
-    """Does nothing: the kind declares :func:`check_loss` as its ``check``. Kept only while
-    :mod:`llmkit_losses.base` still calls it on import."""

@@ -1,9 +1,9 @@
 """The ``loss`` kind: declared through register_kinds, checked by llmkit's conformance suite
-(with this plugin's check for the kind), and usable from Python."""
+(with the check the kind declares), and usable from Python."""
 
 from __future__ import annotations
 
-import sys
+from typing import Any
 
 import pytest
 import torch
@@ -12,11 +12,9 @@ from llmkit_losses import build_loss
 from llmkit_losses.base import Loss, LossOptions, flatten, masked_mean
 from llmkit_losses.conformance import check_loss
 
-from llmkit.cli import main
-from llmkit.errors import LlmkitError
-from llmkit.registry import Registry, reset_registry
-from llmkit.spec import load_spec_dict
-from llmkit.testing import KIND_CHECKS, check_component, conformance_params
+from llmkit import LlmkitError, Registry, load_spec_dict, reset_registry
+from llmkit import cli_main as main
+from llmkit.testing import check_component, check_generic, conformance_params
 
 PROVIDER = "llmkit-losses"
 
@@ -41,16 +39,17 @@ def _one_thread():
     torch.set_num_threads(threads)
 
 
-def test_the_kind_is_declared_with_its_contract():
+def test_the_kind_is_declared_with_its_contract_and_check():
     kind = REGISTRY.kinds["loss"]
     assert kind.provider == PROVIDER and kind.contract == "llmkit_losses.base:Loss"
+    assert kind.check == "llmkit_losses.conformance:check_loss"
+    assert kind.load_check() is check_loss
     assert [c.name for c in REGISTRY.list("loss")] == ["cross_entropy", "label_smoothing", "z_loss"]
 
 
 @pytest.mark.parametrize("record", conformance_params("loss", registry=REGISTRY))
 def test_component_conforms(record):
-    check_component(record)
-    assert KIND_CHECKS["loss"] is check_loss  # the kind's own check ran, not the generic one
+    check_component(record, registry=REGISTRY)
 
 
 @pytest.mark.parametrize(
@@ -62,19 +61,7 @@ def test_component_conforms(record):
     ],
 )
 def test_variant_conforms(name, options):
-    check_component(REGISTRY.get("loss", name), options)
-
-
-def test_the_check_is_registered_when_a_loss_module_is_first_loaded(monkeypatch):
-    # A process where no loss module was imported yet: the kind has no check of its own...
-    monkeypatch.delitem(KIND_CHECKS, "loss", raising=False)
-    for name in [m for m in sys.modules if m.startswith("llmkit_losses.")]:
-        monkeypatch.delitem(sys.modules, name)
-    reg = losses_registry()
-    assert "loss" not in KIND_CHECKS
-    # ... until check_component loads one (through its options model), which registers it.
-    check_component(reg.get("loss", "z_loss"))
-    assert KIND_CHECKS["loss"].__module__ == "llmkit_losses.conformance"
+    check_component(REGISTRY.get("loss", name), options, registry=REGISTRY)
 
 
 # -- the check has teeth ------------------------------------------------------------------------
@@ -114,8 +101,9 @@ class HalfPrecisionLoss(Loss):
         return masked_mean(nll, keep).to(logits.dtype)
 
 
-def _fake(target):
-    from llmkit.hookspecs import hookimpl
+def _fake(target) -> tuple[Registry, Any]:
+    """A registry with llmkit-losses and ``target`` registered as ``loss.fake``, and its record."""
+    from llmkit import hookimpl
 
     class Plugin:
         @hookimpl
@@ -124,7 +112,7 @@ def _fake(target):
 
     reg = losses_registry()
     reg.add_plugin(Plugin(), "fake", "llmkit-fake", "0")
-    return reg.get("loss", "fake")
+    return reg, reg.get("loss", "fake")
 
 
 @pytest.mark.parametrize(
@@ -139,8 +127,12 @@ def _fake(target):
     ids=lambda x: x.__name__ if isinstance(x, type) else None,
 )
 def test_broken_losses_fail_the_check(target, match):
+    reg, record = _fake(target)
     with pytest.raises(AssertionError, match=match):
-        check_loss(_fake(target))
+        check_loss(record)
+    check_generic(record)  # what a kind without a check of its own would get: passes
+    with pytest.raises(AssertionError, match=match):  # check_component runs the kind's check
+        check_component(record, registry=reg)
 
 
 # -- the math -----------------------------------------------------------------------------------
@@ -206,7 +198,7 @@ def test_a_custom_training_loop_with_z_loss():
     spec = {
         "model": {"vocab_size": 32, "d_model": 16, "n_layers": 1, "n_heads": 2, "max_seq_len": 8}
     }
-    from llmkit.model import build_model
+    from llmkit import build_model
 
     torch.manual_seed(0)
     model = build_model(load_spec_dict(spec, registry=REGISTRY))

@@ -5,10 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
-import signal
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -19,6 +16,13 @@ from llmkit.runs.checkpoints import Checkpoints
 from llmkit.training import train
 from tests.conftest import ROOT
 from tests.helpers import write_train_spec
+from tests.training.kill_resume import (
+    cli,
+    losses,
+    read_metrics,
+    train_killed_and_resumed,
+    val_losses,
+)
 
 CORPUS = (
     "First Citizen:\nBefore we proceed any further, hear me speak.\n\n"
@@ -29,10 +33,6 @@ CORPUS = (
 
 def write_spec(tmp_path: Path, **train) -> Path:
     return write_train_spec(tmp_path, CORPUS, dropout=0.1, **train)
-
-
-def read_metrics(run: Path) -> list[dict]:
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
 def test_training_writes_the_run_directory(tmp_path):
@@ -63,7 +63,7 @@ def test_training_writes_the_run_directory(tmp_path):
 
 
 def test_loss_curve_is_drawn_during_training_at_most_every_plot_interval(tmp_path, monkeypatch):
-    import llmkit.training as train_module
+    import llmkit.training.metrics as train_module
 
     drawn: list[int] = []
     real = train_module.plot_losses
@@ -181,62 +181,14 @@ def test_a_resume_that_cannot_continue_leaves_the_run_as_it_was(trained, overrid
     assert _resume(trained, "train.max_steps=5").step == 5  # and it still resumes
 
 
-def _cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "llmkit.cli", *args]
-
-
 def test_resume_after_a_kill_reproduces_the_uninterrupted_losses(tmp_path):
-    env = {**os.environ, "LLMKIT_PLUGINS": ""}
     spec = write_spec(
         tmp_path, max_steps=240, eval_interval=40, checkpoint_interval=20, batch_size=8
     )
-    common = ["--no-sample", "--no-progress"]
-    full = tmp_path / "full"
-    subprocess.run(
-        _cli("train", str(spec), "--out", str(full), *common),
-        check=True,
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        timeout=600,
-    )
-
-    run = tmp_path / "killed"
-    proc = subprocess.Popen(
-        _cli("train", str(spec), "--out", str(run), *common),
-        env=env,
-        cwd=ROOT,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    pointer = run / "checkpoints" / "latest.json"
-    deadline = time.time() + 300
-    while time.time() < deadline:
-        if pointer.is_file() and json.loads(pointer.read_text())["step"] >= 60:
-            break
-        assert proc.poll() is None, "training ended before it could be killed"
-        time.sleep(0.01)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    killed_at = json.loads(pointer.read_text())["step"]
+    full, run, killed_at = train_killed_and_resumed(spec, tmp_path, kill_at=60)
     assert killed_at < 240
-    subprocess.run(
-        _cli("train", "--resume", str(run), *common),
-        check=True,
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        timeout=600,
-    )
-
-    def losses(path):
-        return [(m["step"], m["loss"]) for m in read_metrics(path) if "loss" in m]
-
-    def vals(path):
-        return [(m["step"], m["val_loss"]) for m in read_metrics(path) if "val_loss" in m]
-
     assert losses(run) == losses(full)
-    assert vals(run) == vals(full)
+    assert val_losses(run) == val_losses(full)
     assert len(losses(full)) == 240
 
 
@@ -245,7 +197,7 @@ def test_cli_eval_and_generate(tmp_path):
 
     def llmkit(*args: str) -> subprocess.CompletedProcess:
         return subprocess.run(
-            _cli(*args), env=env, cwd=ROOT, capture_output=True, text=True, timeout=600
+            cli(*args), env=env, cwd=ROOT, capture_output=True, text=True, timeout=600
         )
 
     run = tmp_path / "run"

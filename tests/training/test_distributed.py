@@ -21,9 +21,10 @@ import torch
 
 from llmkit.errors import LlmkitError
 from llmkit.training import distributed
+from llmkit.training.strategy import ParallelStrategy
 from tests.helpers import write_train_spec
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TOL = 1e-4
 WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while", "hex"]
 
@@ -270,11 +271,41 @@ def test_single_process_context(monkeypatch):
     assert ctx.mean([torch.tensor(2.0), 3.0]) == [2.0, 3.0]
     assert ctx.sum([1.5, 2.0]) == [1.5, 2.0]
     assert ctx.broadcast({"a": 1}) == {"a": 1}
-    model = torch.nn.Linear(2, 2)
-    assert distributed.wrap(model, ctx, None, "fp32") is model
-    with distributed.grad_sync(model, ctx, False):
-        pass
     distributed.exit_process(0)  # returns: no process group here
+
+
+def test_single_process_strategy(monkeypatch):
+    """fsdp asked for on one process trains plainly: nothing is wrapped, sharded or synced."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    strategy = ParallelStrategy.setup("fsdp", "cpu", 60)
+    assert strategy.mode == "single" and not strategy.distributed and not strategy.sharded
+    assert strategy.is_main and strategy.describe(4, 2) is None
+    model = torch.nn.Linear(2, 2)
+    assert strategy.wrap(model, None, "fp32") is model
+    with strategy.grad_sync(model, False):
+        pass
+    assert strategy.full_model(model, lambda: None) is model
+    assert strategy.any([True, False]) == [True, False]
+    strategy.check_precision("fp16")  # only a sharded job refuses fp16
+    x = torch.arange(6).view(3, 2)
+    counted, padding = strategy.eval_shares([(x, x), (x[:0], x[:0])])
+    assert len(counted) == 1 and padding == []
+
+
+def test_strategy_modes_as_the_ranks_see_them():
+    rank1 = ParallelStrategy(distributed.DistContext(rank=1, world_size=2, parallel="fsdp"))
+    assert rank1.mode == "fsdp" and rank1.sharded and not rank1.is_main
+    with pytest.raises(LlmkitError, match="fp16 is not supported with fsdp"):
+        rank1.check_precision("fp16")
+    logs: list[str] = []
+    rank1.quiet_unless_main(logs.append)("not shown")
+    assert logs == []
+    x = torch.arange(3).view(3, 1)  # three rows over two ranks; a one-row batch leaves rank 1
+    counted, padding = rank1.eval_shares([(x, x), (x[:1], x[:1])])
+    assert [len(b[0]) for b in counted] == [1] and len(padding) == 1
+    ddp = ParallelStrategy(distributed.DistContext(world_size=2, parallel="ddp"))
+    assert ddp.mode == "ddp" and ddp.distributed and not ddp.sharded
+    ddp.check_precision("fp16")
 
 
 def test_launcher_environment_is_checked(monkeypatch):
@@ -306,8 +337,9 @@ def test_accumulation_all_reduces_only_on_the_last_micro_step(tmp_path):
 
         model.register_comm_hook(None, hook)
         ctx = distributed.DistContext(world_size=2, parallel="ddp")  # as a 2-rank job sees it
+        strategy = ParallelStrategy(ctx)
         for micro in range(3):
-            with distributed.grad_sync(model, ctx, sync=micro == 2):
+            with strategy.grad_sync(model, sync=micro == 2):
                 model(torch.randn(2, 4)).sum().backward()
             assert len(calls) == (1 if micro == 2 else 0)
     finally:

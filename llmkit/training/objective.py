@@ -1,0 +1,90 @@
+"""The training objective: what a step minimizes and what evaluation reports as the loss.
+
+A spec that chooses a component of the ``loss`` kind (``[train] loss = { name = ...,
+<options> }``, the section the kind declares) trains on that loss of the model's logits and
+the targets; without one, on the model's own cross-entropy. Either way every auxiliary
+loss a component reports is added for the gradient. The objective knows no concrete loss:
+a loss component is built as ``Loss(options)`` and called as ``loss(logits, targets)``,
+returning the mean over targets that are not ignored (-100); what it reports through
+``SideOutputs`` joins the model's side outputs under ``loss.<name>``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+#: The kind whose component, when the spec chooses one, is the training objective.
+LOSS_KIND = "loss"
+#: Where a loss component's side outputs appear (``metric/loss.<name>``).
+LOSS_PREFIX = "loss"
+
+
+@dataclass
+class ObjectiveOutput:
+    """One forward's objective (a mean per target, without auxiliary losses), the auxiliary
+    losses and metrics reported, and the model's cross-entropy where it was computed."""
+
+    loss: Tensor
+    aux_losses: dict[str, Tensor] = field(default_factory=dict)
+    metrics: dict[str, Any] = field(default_factory=dict)
+    cross_entropy: Tensor | None = None
+
+    @property
+    def total(self) -> Tensor:
+        """What the gradient is taken of: the objective plus every auxiliary loss."""
+        total = self.loss
+        for value in self.aux_losses.values():
+            total = total + value
+        return total
+
+
+class Objective:
+    """The model's cross-entropy (``loss`` None), or a ``loss`` component on its logits."""
+
+    def __init__(self, loss: nn.Module | None = None) -> None:
+        self.loss = loss
+
+    @classmethod
+    def from_spec(cls, rs: Any) -> Objective:
+        """The objective a resolved spec chooses."""
+        res = rs.component(LOSS_KIND)
+        return cls(res.build(res.options) if res is not None else None)
+
+    @property
+    def is_cross_entropy(self) -> bool:
+        """True when the objective is the model's own cross-entropy."""
+        return self.loss is None
+
+    def to(self, device: torch.device | str) -> Objective:
+        if self.loss is not None:
+            self.loss.to(device)
+        return self
+
+    def __call__(
+        self,
+        forward: Callable[..., Any],
+        x: Tensor,
+        y: Tensor,
+        *,
+        cross_entropy: bool = False,
+    ) -> ObjectiveOutput:
+        """The objective of ``forward`` (the model, wrapped or compiled) on inputs ``x`` and
+        targets ``y``. ``cross_entropy`` also returns the model's cross-entropy when the
+        objective is another loss (evaluation reports both)."""
+        if self.loss is None:
+            out = forward(x, y)
+            return ObjectiveOutput(out.loss, out.aux_losses, out.metrics, out.loss)
+        out = forward(x, y) if cross_entropy else forward(x)
+        value = self.loss(out.logits, y)
+        aux, metrics = dict(out.aux_losses), dict(out.metrics)
+        pop = getattr(self.loss, "pop_side_outputs", None)
+        if pop is not None:
+            losses, mets = pop()
+            aux.update({f"{LOSS_PREFIX}.{k}": v for k, v in losses.items()})
+            metrics.update({f"{LOSS_PREFIX}.{k}": v for k, v in mets.items()})
+        return ObjectiveOutput(value, aux, metrics, out.loss)

@@ -1,0 +1,94 @@
+"""What a training run shows while it runs, and how it is asked to stop: the progress bar
+(or one log line per logged step) and SIGINT/SIGTERM handling."""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+from collections.abc import Callable
+from typing import Any
+
+
+class ProgressDisplay:
+    """A rich progress bar on a terminal (or when ``enabled``), else a log line per record.
+    While the bar runs, ``log`` (when it is ``print``) goes through the bar's console."""
+
+    def __init__(
+        self,
+        total: int,
+        completed: int,
+        log: Callable[[str], None],
+        enabled: bool | None = None,
+    ) -> None:
+        self.total = total
+        self.log = log
+        self.bar = self._start(completed, enabled)
+        if self.bar is not None and log is print:
+            self.log = self.bar.console.print
+
+    def _start(self, completed: int, enabled: bool | None) -> Any:
+        from rich.console import Console
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+            TimeRemainingColumn,
+        )
+
+        console = Console(stderr=True)
+        if not (console.is_terminal if enabled is None else enabled):
+            return None
+        bar = Progress(
+            TextColumn("[bold]train"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[info]}"),
+            TimeElapsedColumn(),
+            TextColumn("ETA"),
+            TimeRemainingColumn(),
+            console=console,
+            transient=False,
+        )
+        bar.start()
+        bar.add_task("train", total=self.total, completed=completed, info="")
+        return bar
+
+    def show(self, record: dict[str, Any]) -> None:
+        info = f"loss {record['loss']:.4f} lr {record['lr']:.2e} {record['tokens_per_s']:.0f} tok/s"
+        if "mfu" in record:
+            info += f" mfu {100 * record['mfu']:.1f}%"
+        if self.bar is None:
+            self.log(f"step {record['step']}/{self.total}: {info}")
+        else:
+            self.bar.update(0, completed=record["step"], info=info)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+
+class StopSignals:
+    """SIGINT/SIGTERM set ``received`` (the signal's name) instead of killing the process,
+    so the run stops after the current step and saves a checkpoint; ``restore`` puts the
+    previous handlers back."""
+
+    def __init__(self, log: Callable[[str], None]) -> None:
+        self.received: str | None = None
+        self._log = log
+        self._old: dict[int, Any] = {}
+
+    def install(self) -> None:
+        def handler(signum: int, _frame: Any) -> None:
+            self.received = signal.Signals(signum).name
+            self._log(f"{self.received}: stopping after this step and saving a checkpoint")
+
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(ValueError):  # not the main thread
+                self._old[sig] = signal.signal(sig, handler)
+
+    def restore(self) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+        self._old.clear()

@@ -1,0 +1,145 @@
+"""Starting and restarting runs: which directory a new run may use, what a resume may change,
+and which checkpoint every rank resumes from."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from llmkit.errors import LlmkitError
+from llmkit.runs import RESOLVED_FILE, SPEC_FILE, TOKENIZER_FILE
+from llmkit.runs.checkpoints import (
+    SHARDS,
+    WEIGHTS,
+    Checkpoints,
+    DamagedCheckpoint,
+    load_state,
+    load_tensors,
+    rank_file,
+    set_rng_state,
+    weight_shapes,
+)
+from llmkit.spec import ResolvedSpec
+from llmkit.training.strategy import ParallelStrategy
+
+#: What a run writes before its first step: a directory holding only these (and llmkit's
+#: resolved.json among them) is a run that stopped before training, and may start again.
+SETUP_FILES = {SPEC_FILE, RESOLVED_FILE, TOKENIZER_FILE, "data"}
+
+
+def restartable(rd: Path) -> bool:
+    """True for an empty directory, or one a run left before its first step."""
+    names = {p.name for p in rd.iterdir()}
+    return not names or (RESOLVED_FILE in names and names <= SETUP_FILES)
+
+
+def check_new_run_dir(rd: Path) -> None:
+    """A new run may use ``rd`` only if it is absent, empty, or left before a first step."""
+    if (rd / "checkpoints").exists():
+        raise LlmkitError(
+            f"{rd} already holds a run; resume it with --resume {rd} or choose another --out"
+        )
+    if rd.exists() and (not rd.is_dir() or not restartable(rd)):
+        raise LlmkitError(
+            f"{rd} exists and is not an empty directory; training would overwrite its "
+            "files (a run that stopped before its first checkpoint leaves such a directory): "
+            "remove it or choose another --out"
+        )
+
+
+def check_same_optimizer(saved: dict[str, Any], edited: ResolvedSpec) -> None:
+    """``--set`` on resume may change hyperparameters, not the optimizer whose state it
+    loads. ``saved`` is the run's spec as written (its component names filled in), so the
+    saved recipe is not resolved a second time."""
+    table = saved.get("optimizer")
+    before = table.get("name") if isinstance(table, dict) else None
+    if before is None:  # a hand-written spec.yaml: the kind's default
+        from llmkit.registry import get_registry
+
+        before = get_registry().kinds["optimizer"].default
+    after = edited.optimizer.record.name
+    if before != after:
+        raise LlmkitError(
+            f"the run was trained with optimizer {before!r}; resuming it with {after!r} cannot "
+            "load its state (start a new run, or keep the optimizer)"
+        )
+
+
+def check_max_steps(ckpt: Path, state: dict[str, Any], max_steps: int) -> None:
+    """A resume must be allowed to reach past the step the run is at."""
+    if max_steps < int(state["step"]):
+        raise LlmkitError(
+            f"{ckpt.name}: the run is at step {int(state['step'])} and train.max_steps "
+            f"is {max_steps}; raise it (--max-steps N) to train further"
+        )
+
+
+def read_checkpoint(
+    ckpt: Path, strategy: ParallelStrategy
+) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """The trainer state and this rank's own state of ``ckpt``, after checking that its
+    weights file reads (header only); :class:`DamagedCheckpoint` when a file does not."""
+    state = load_state(ckpt)
+    if not (ckpt / SHARDS).is_dir():
+        weight_shapes(ckpt / WEIGHTS)
+    own = ckpt / rank_file(strategy.rank)
+    rank_state = None
+    if strategy.distributed and own.is_file():
+        rank_state = load_tensors(own, "rank state")
+    return state, rank_state
+
+
+def newest_readable(
+    checkpoints: Checkpoints, strategy: ParallelStrategy, log: Callable[[str], None]
+) -> tuple[Path, dict[str, Any], dict[str, Any] | None]:
+    """The latest checkpoint, or the newest older one that is intact when a file of the
+    latest cannot be read, with its state and this rank's state. Every rank must resume from
+    the same checkpoint: one rank's unreadable file moves them all to the next."""
+    candidates = checkpoints.newest_first()
+    if not candidates:
+        raise LlmkitError(f"{checkpoints.dir.parent}: no checkpoint to resume from")
+    for i, ckpt in enumerate(candidates):
+        problem: DamagedCheckpoint | None = None
+        try:
+            state, rank_state = read_checkpoint(ckpt, strategy)
+        except DamagedCheckpoint as exc:
+            problem = exc
+        bad = int(strategy.sum([1.0 if problem else 0.0])[0])
+        if not bad:
+            return ckpt, state, rank_state
+        why = str(problem) if problem else f"{ckpt} cannot be read on {bad} other rank(s)"
+        if i + 1 == len(candidates):
+            raise problem or DamagedCheckpoint(why)
+        log(f"warning: {why}; resuming from {candidates[i + 1].name} instead")
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def restore_rng(
+    state: dict[str, Any],
+    rank_state: dict[str, Any] | None,
+    strategy: ParallelStrategy,
+    seed: int,
+    step: int,
+) -> None:
+    """Each rank's random streams as saved; a rank the saving run did not have draws a
+    fresh stream of its own."""
+    if rank_state is not None:
+        set_rng_state(rank_state["rng"])
+    elif strategy.is_main:
+        set_rng_state(state["rng"])
+    else:
+        torch.manual_seed(seed + 1000 * strategy.rank + step)
+
+
+def fresh_hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """Each parameter group's settings without its parameters: what the (possibly edited)
+    spec says, to be put back after the saved state is loaded."""
+    return [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+
+
+def apply_hyperparameters(optimizer: torch.optim.Optimizer, hypers: list[dict[str, Any]]) -> None:
+    for group, hyper in zip(optimizer.param_groups, hypers, strict=True):
+        group.update(hyper)

@@ -1,0 +1,130 @@
+"""The training step: one optimizer step exactly as the trainer takes it.
+
+:class:`TrainStep` is public so that the training benchmarks time this same function
+(:mod:`llmkit.bench.training`): the learning-rate factor, ``grad_accum`` micro-batches of
+forward and backward under autocast (a grad scaler for fp16; gradients all-reduced only on
+the last micro-batch), gradient clipping, the reported values averaged over ranks in one
+transfer, and the optimizer step — unless the loss or the gradient is not finite, in which
+case the update is dropped and the result says so (the caller decides to stop or skip).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from llmkit import hardware
+from llmkit.optim import set_lr_factor
+from llmkit.training.objective import Objective
+from llmkit.training.strategy import ParallelStrategy
+
+
+@dataclass
+class StepResult:
+    """What one step did: the objective (mean over micro-batches and ranks), the gradient
+    norm before clipping, every auxiliary loss and metric as ``aux/<path>`` and
+    ``metric/<path>``, and whether the update was applied."""
+
+    loss: float
+    grad_norm: float
+    reported: dict[str, float] = field(default_factory=dict)
+    applied: bool = True
+
+
+def _detached(value: Any) -> Any:
+    """A reported value as a detached scalar (tensor or float), without a device sync."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().float().mean()
+    return float(value)
+
+
+class TrainStep:
+    """One optimizer step of ``model``: call it with a function returning the next
+    ``(inputs, targets)`` micro-batch (called ``grad_accum`` times) and, optionally, the
+    learning-rate factor of this step.
+
+    ``wrapped`` is what the strategy made of ``model`` (a DDP wrapper, or ``model`` sharded
+    in place) and ``forward`` what is called (``wrapped``, or ``torch.compile`` of it);
+    without a ``strategy`` the step runs on one process on the model's device. The grad
+    scaler (fp16) is ``scaler``; the trainer saves and restores its state.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        objective: Objective | None = None,
+        strategy: ParallelStrategy | None = None,
+        precision: str = "fp32",
+        grad_accum: int = 1,
+        grad_clip: float | None = None,
+        wrapped: nn.Module | None = None,
+        forward: Callable[..., Any] | None = None,
+    ) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        if strategy is None:  # one process, on the model's device
+            strategy = ParallelStrategy.single(next(model.parameters()).device)
+        self.strategy = strategy
+        self.device = self.strategy.device
+        self.objective = (objective or Objective()).to(self.device)
+        self.precision = precision
+        self.grad_accum = grad_accum
+        self.clip = grad_clip if grad_clip is not None else math.inf
+        self.wrapped = wrapped if wrapped is not None else model
+        self.forward = forward if forward is not None else self.wrapped
+        self.scaler = torch.amp.GradScaler(self.device.type) if precision == "fp16" else None
+
+    def __call__(
+        self, next_batch: Callable[[], tuple[Tensor, Tensor]], lr_factor: float | None = None
+    ) -> StepResult:
+        if lr_factor is not None:
+            set_lr_factor(self.optimizer, lr_factor)
+        if not self.model.training:  # (a recursive call: ≈ 0.5 ms a step on a small model)
+            self.model.train()
+        n = self.grad_accum
+        loss_sum = torch.zeros((), device=self.device)
+        aux_sums: dict[str, Any] = {}
+        metrics: dict[str, Any] = {}
+        for micro in range(n):
+            x, y = next_batch()
+            x = x.to(self.device, non_blocking=True)
+            y = y.to(self.device, non_blocking=True)
+            with self.strategy.grad_sync(self.wrapped, micro == n - 1):  # all-reduce once
+                with hardware.autocast(self.device, self.precision):
+                    out = self.objective(self.forward, x, y)
+                    loss = out.total / n
+                if self.scaler is not None:
+                    self.scaler.scale(loss).backward()
+                else:
+                    loss.backward()
+            loss_sum += out.loss.detach() / n
+            for k, v in out.aux_losses.items():
+                aux_sums[k] = aux_sums.get(k, 0.0) + _detached(v) / n
+            metrics.update({k: _detached(v) for k, v in out.metrics.items()})
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
+        grad_norm = self.strategy.full_tensor(grad_norm)
+        # Everything reported, averaged over ranks, in one transfer (one sync).
+        names = [f"aux/{k}" for k in aux_sums] + [f"metric/{k}" for k in metrics]
+        loss_value, *values = self.strategy.mean([loss_sum, *aux_sums.values(), *metrics.values()])
+        result = StepResult(loss_value, float(grad_norm), dict(zip(names, values)))
+        finite = math.isfinite(loss_value) and math.isfinite(result.grad_norm)
+        if not finite and self.scaler is None:
+            self.optimizer.zero_grad(set_to_none=True)
+            result.applied = False
+            return result
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return result

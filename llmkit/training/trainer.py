@@ -1,0 +1,417 @@
+"""The Trainer. It knows no concrete component: the model, optimizer, schedule, data source
+and training objective all come from the resolved spec, and every auxiliary loss or metric
+a component reports arrives through the model output's generic side channel."""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from llmkit import hardware
+from llmkit.errors import LlmkitError
+from llmkit.runs import METRICS_FILE, PLOT_FILE, SPEC_FILE, save_spec
+from llmkit.runs.checkpoints import Checkpoints, rng_state, save_weights
+from llmkit.spec import ResolvedSpec
+from llmkit.training import metrics as metrics_mod
+from llmkit.training import resume
+from llmkit.training.metrics import MetricsLog
+from llmkit.training.objective import Objective
+from llmkit.training.progress import ProgressDisplay, StopSignals
+from llmkit.training.step import StepResult, TrainStep
+from llmkit.training.strategy import ParallelStrategy
+
+
+class NonFiniteLoss(LlmkitError):
+    """The loss or gradient became NaN/inf."""
+
+
+@dataclass
+class TrainResult:
+    """How a run ended. On rank 0, ``model`` is the trained model in memory (the weights just
+    saved as ``model.safetensors``; under FSDP a gathered CPU copy) with its ``tokenizer``
+    and resolved ``spec``, so the end-of-training sample needs no reload; None elsewhere."""
+
+    run_dir: Path
+    step: int
+    tokens: int
+    seconds: float
+    stopped: str
+    val_loss: float | None = None
+    best_val_loss: float | None = None
+    history: list[dict[str, Any]] = field(default_factory=list)
+    rank: int = 0
+    world_size: int = 1
+    model: nn.Module | None = None
+    tokenizer: Any = None
+    spec: ResolvedSpec | None = None
+
+
+class Trainer:
+    """Trains the model a resolved spec describes, writing everything into ``run_dir``."""
+
+    _plotted = -math.inf  # time.monotonic() of the last loss-curve drawing
+    _skipped = 0  # consecutive non-finite steps skipped
+
+    def __init__(
+        self,
+        rs: ResolvedSpec,
+        run_dir: Path,
+        *,
+        resume: bool = False,
+        edited: bool = False,
+        max_time: float | None = None,
+        log: Callable[[str], None] = print,
+        progress: bool | None = None,
+        strategy: ParallelStrategy | None = None,
+    ) -> None:
+        self.rs = rs
+        self.run_dir = Path(run_dir)
+        self.resume = resume
+        self.edited = edited  # resumed with --set: rs replaces the run's spec once restored
+        self.t = rs.spec.train
+        self.max_time = max_time if max_time is not None else self.t.max_time
+        self.strategy = strategy
+        self.log = log
+        self.progress = progress
+        self.signals = StopSignals(lambda msg: self.log(msg))
+
+    # -- set-up ------------------------------------------------------------------------------
+    def _setup(self) -> None:
+        from llmkit.data import count_blocks, make_sampler, prepare_data
+        from llmkit.model import build_model
+
+        t = self.t
+        if self.strategy is None:
+            self.strategy = ParallelStrategy.setup(t.parallel, t.device, t.dist_timeout)
+        strategy = self.strategy
+        self.log = strategy.quiet_unless_main(self.log)  # rank 0 logs, plots, shows progress
+        if not strategy.is_main:
+            self.progress = False
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        torch.manual_seed(t.seed)
+        self.device = strategy.device
+        self.precision = hardware.choose_precision(t.precision, self.device)
+        strategy.check_precision(self.precision)
+
+        with strategy.main_first():  # rank 0 trains the tokenizer and tokenizes first
+            data = prepare_data(self.rs, self.run_dir, log=self.log)
+        self.data, self.tokenizer = data, data.tokenizer
+        if self.tokenizer.vocab_size != self.rs.model.vocab_size:
+            self.log(
+                f"vocab_size {self.rs.model.vocab_size} -> {self.tokenizer.vocab_size} "
+                "(the tokenizer's)"
+            )
+            self.rs = self.rs.with_vocab_size(self.tokenizer.vocab_size)
+            self.rs.source = str(self.run_dir / SPEC_FILE)
+        if not self.resume and strategy.is_main:
+            save_spec(self.rs, self.run_dir)
+
+        # ≤ max_seq_len: the spec's validation checks it.
+        self.block_size = self.rs.spec.data.block_size or self.rs.model.max_seq_len
+        self.sampler = make_sampler(
+            self.rs.spec.data.sampling,
+            data.train,
+            self.block_size,
+            t.seed,
+            rank=strategy.rank,
+            world_size=strategy.world_size,
+        )
+
+        # Evaluation needs one validation block: fail now, not after the first eval_interval.
+        count_blocks(len(data.validation), self.block_size, "validation split")
+
+        torch.manual_seed(t.seed)  # the same initial weights on every rank
+        self.model = build_model(self.rs).to(self.device)
+        self.model.activation_checkpointing = t.activation_checkpointing
+        wrapped = strategy.wrap(self.model, t, self.precision)
+        line = strategy.describe(t.batch_size, t.grad_accum)
+        if line:
+            self.log(line)
+        opt = self.rs.optimizer
+        self.optimizer = opt.build(self.model, opt.options)
+        sched = self.rs.schedule
+        try:
+            self.lr_factor = sched.build(sched.options, total_steps=t.max_steps)
+        except ValueError as exc:
+            raise LlmkitError(f"schedule {sched.name!r}: {exc}") from exc
+        self.objective = Objective.from_spec(self.rs).to(self.device)
+        self.train_step = TrainStep(
+            self.model,
+            self.optimizer,
+            objective=self.objective,
+            strategy=strategy,
+            precision=self.precision,
+            grad_accum=t.grad_accum,
+            grad_clip=t.grad_clip,
+            wrapped=wrapped,
+            forward=torch.compile(wrapped) if t.compile else wrapped,
+        )
+        self.checkpoints = Checkpoints(self.run_dir)
+        self.metrics = MetricsLog(self.run_dir / METRICS_FILE)
+
+        self.step = 0
+        self.tokens = 0
+        self.elapsed = 0.0
+        self.best_val: float | None = None
+        self.bad_evals = 0
+        self.flops_per_token = self.model.flops_per_token(self.block_size)["train"]
+        peak = hardware.peak_flops(self.device, self.precision)
+        self.peak = peak * strategy.world_size if peak else peak
+        if self.resume:
+            self._restore()  # last: it sets the RNG state
+            if self.edited and strategy.is_main:
+                save_spec(self.rs, self.run_dir)  # the edited recipe is the run's from now on
+
+    def _restore(self) -> None:
+        """Resume from the latest checkpoint, or from the newest older one that is intact when
+        a file of the latest cannot be read; the optimizer's hyperparameters come from the
+        (possibly edited) spec, its moments from the run."""
+        strategy = self.strategy
+        ckpt, state, rank_state = resume.newest_readable(self.checkpoints, strategy, self.log)
+        resume.check_max_steps(ckpt, state, self.t.max_steps)  # before anything is loaded
+        hypers = resume.fresh_hyperparameters(self.optimizer)
+        strategy.load_checkpoint(ckpt, self.model, self.optimizer, state)
+        resume.apply_hyperparameters(self.optimizer, hypers)
+        self.sampler.load_state_dict(state["data"])
+        self.step, self.tokens = int(state["step"]), int(state["tokens"])
+        self.elapsed = float(state["elapsed"])
+        self.best_val = state.get("best_val")
+        self.bad_evals = int(state.get("bad_evals", 0))
+        scaler = self.train_step.scaler
+        if scaler is not None and "scaler" in state:
+            scaler.load_state_dict(state["scaler"])
+        resume.restore_rng(state, rank_state, strategy, self.t.seed, self.step)
+        if strategy.is_main:
+            self.metrics.truncate_after(self.step)
+        self.log(f"resumed from {ckpt} at step {self.step}")
+
+    # -- the loop ----------------------------------------------------------------------------
+    def fit(self) -> TrainResult:
+        self._setup()
+        t = self.t
+        strategy = self.strategy
+        self.signals.install()
+        history = self.metrics.read()
+        self.log(
+            f"model: {self.model.num_params():,} parameters, {len(self.model.layers)} layers; "
+            f"device {self.device}, precision {self.precision}; "
+            f"{len(self.data.train):,} train / {len(self.data.validation):,} val tokens"
+        )
+        ckpt_every = t.checkpoint_interval or t.eval_interval
+        stopped = "max_steps"
+        last_val: float | None = None
+        start_wall = time.perf_counter() - self.elapsed
+        interval_t0, interval_tokens = time.perf_counter(), 0
+        display = ProgressDisplay(t.max_steps, self.step, self.log, self.progress)
+        self.log = display.log
+        try:
+            while self.step < t.max_steps:
+                self._injected_failure()
+                record = self._train_step()
+                if record is None:  # skipped a non-finite step
+                    continue
+                self.step += 1
+                step_tokens = t.batch_size * t.grad_accum * self.block_size * strategy.world_size
+                self.tokens += step_tokens
+                interval_tokens += step_tokens
+                self.elapsed = time.perf_counter() - start_wall
+                if self.step % t.log_interval == 0 or self.step == t.max_steps:
+                    now = time.perf_counter()
+                    tps = interval_tokens / max(now - interval_t0, 1e-9)
+                    interval_t0, interval_tokens = now, 0
+                    record.update(
+                        tokens=self.tokens,
+                        tokens_per_s=round(tps, 1),
+                        elapsed=round(self.elapsed, 3),
+                    )
+                    if self.peak:
+                        record["mfu"] = round(self.flops_per_token * tps / self.peak, 4)
+                    if strategy.is_main:
+                        self.metrics.write(record)
+                    history.append(record)
+                    display.show(record)
+                out_of_time, signalled = self._stop_flags()
+                final = self.step == t.max_steps or out_of_time or signalled
+                if self.step % t.eval_interval == 0 or final:
+                    last_val = self._evaluate(history)
+                    if self._early_stop():
+                        stopped = "early_stopping"
+                        final = True
+                if self.step % ckpt_every == 0 or final or self.step % t.eval_interval == 0:
+                    self._save(best=last_val is not None and last_val == self.best_val)
+                    self._maybe_plot(history, final)
+                if out_of_time:
+                    stopped = "max_time"
+                if signalled:
+                    stopped = self.signals.received or "SIGTERM"
+                if final:
+                    break
+        finally:
+            display.close()
+            self.signals.restore()
+        model = self._finish(history)
+        return TrainResult(
+            self.run_dir,
+            self.step,
+            self.tokens,
+            self.elapsed,
+            stopped,
+            last_val,
+            self.best_val,
+            history,
+            strategy.rank,
+            strategy.world_size,
+            model,
+            self.tokenizer if model is not None else None,
+            self.rs,
+        )
+
+    def _injected_failure(self) -> None:
+        """``LLMKIT_FAIL_AT=RANK:STEP`` makes that rank raise before that step: a test aid
+        for a launcher's failure handling (the job must exit non-zero, not hang)."""
+        at = os.environ.get("LLMKIT_FAIL_AT")
+        rank = self.strategy.rank
+        if at and at == f"{rank}:{self.step + 1}":
+            raise RuntimeError(f"injected failure on rank {rank} (LLMKIT_FAIL_AT={at})")
+
+    def _stop_flags(self) -> tuple[bool, bool]:
+        """(out of time, stop signal received). In a multi-process run, any rank's flag
+        stops every rank at the same step (one all-reduce), so none waits alone."""
+        out_of_time = self.max_time is not None and self.elapsed >= self.max_time
+        signalled = self.signals.received is not None
+        out_of_time, signalled = self.strategy.any([out_of_time, signalled])
+        return out_of_time, signalled
+
+    def _next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.sampler.next_batch(self.t.batch_size)
+
+    def _train_step(self) -> dict[str, Any] | None:
+        """One optimizer step (:class:`TrainStep`) and its metrics record; None for a skipped
+        non-finite step."""
+        result: StepResult = self.train_step(self._next_batch, self.lr_factor(self.step))
+        if not result.applied:
+            return self._non_finite(result.loss, result.grad_norm)
+        self._skipped = 0
+        record: dict[str, Any] = {
+            "step": self.step + 1,
+            "loss": round(result.loss, 6),
+            "lr": self.optimizer.param_groups[0]["lr"],
+            "grad_norm": round(result.grad_norm, 6),
+        }
+        record.update({k: round(v, 6) for k, v in result.reported.items()})
+        return record
+
+    def _non_finite(self, loss: float, grad_norm: float) -> None:
+        latest = self.checkpoints.latest()
+        where = f"last good checkpoint: {latest}" if latest else "no checkpoint was written yet"
+        what = f"non-finite {'loss' if not math.isfinite(loss) else 'gradient'}"
+        if self.t.on_nonfinite == "skip":
+            self._skipped += 1
+            self.log(f"step {self.step + 1}: {what} ({loss}), step skipped")
+            if self._skipped < 10:
+                return None
+            raise NonFiniteLoss(f"10 consecutive steps with a {what}; stopped ({where})")
+        raise NonFiniteLoss(
+            f"{what} at step {self.step + 1} (loss {loss}, grad norm {grad_norm}); stopped "
+            f"without saving ({where}); lower the lr or set train.on_nonfinite='skip'"
+        )
+
+    def _evaluate(self, history: list[dict[str, Any]]) -> float:
+        """The objective on the validation set (and the cross-entropy beside another
+        objective): the single-process evaluation set (batches of batch_size × world_size
+        blocks), each batch's rows dealt out to the ranks, the token-weighted sums added."""
+        from llmkit.data import eval_batches
+        from llmkit.training.evaluate import evaluate_batches
+
+        t, strategy = self.t, self.strategy
+        batches = eval_batches(
+            self.data.validation,
+            self.block_size,
+            t.batch_size * strategy.world_size,
+            t.eval_batches,
+        )
+        counted, padding = strategy.eval_shares(batches)
+        amp = hardware.autocast(self.device, self.precision)
+        if padding:
+            evaluate_batches(self.model, padding, self.device, amp, self.objective)
+        res = evaluate_batches(self.model, counted, self.device, amp, self.objective)
+        total, ce_total, count = strategy.sum(
+            [res.loss * res.tokens, res.ce * res.tokens, res.tokens]
+        )
+        loss, ce = total / max(count, 1), ce_total / max(count, 1)
+        improved = self.best_val is None or loss < self.best_val
+        if improved:
+            self.best_val, self.bad_evals = loss, 0
+        else:
+            self.bad_evals += 1
+        record: dict[str, Any] = {"step": self.step, "val_loss": round(loss, 6)}
+        if not self.objective.is_cross_entropy:
+            record["val_ce"] = round(ce, 6)
+        record["val_ppl"] = round(math.exp(min(ce, 80.0)), 4)
+        record["best_val_loss"] = round(self.best_val, 6)
+        if strategy.is_main:
+            self.metrics.write(record)
+        history.append(record)
+        self.log(
+            f"step {self.step}: val loss {loss:.4f}, ppl {record['val_ppl']:.2f}"
+            f"{' (best)' if improved else ''}"
+        )
+        return loss
+
+    def _early_stop(self) -> bool:
+        patience = self.t.early_stopping_patience
+        return patience is not None and self.bad_evals >= patience
+
+    def _save(self, best: bool) -> None:
+        state: dict[str, Any] = {
+            "data": self.sampler.state_dict(),
+            "rng": rng_state(),
+            "step": self.step,
+            "tokens": self.tokens,
+            "elapsed": self.elapsed,
+            "best_val": self.best_val,
+            "bad_evals": self.bad_evals,
+        }
+        if self.train_step.scaler is not None:
+            state["scaler"] = self.train_step.scaler.state_dict()
+        meta = {"tokens": self.tokens, "best_val_loss": self.best_val}
+        self.strategy.save_checkpoint(
+            self.checkpoints,
+            self.step,
+            self.model,
+            self.optimizer,
+            state,
+            meta,
+            best=best,
+            full_model=self._full_model(),
+        )
+
+    def _full_model(self) -> nn.Module | None:
+        """The whole model with current weights on rank 0 (None elsewhere)."""
+        from llmkit.model import build_model
+
+        return self.strategy.full_model(self.model, lambda: build_model(self.rs))
+
+    def _maybe_plot(self, history: list[dict[str, Any]], final: bool) -> None:
+        """Redraw the loss curve at a checkpoint at most every ``PLOT_EVERY_S`` seconds."""
+        now = time.monotonic()
+        due = now - self._plotted >= metrics_mod.PLOT_EVERY_S
+        if self.strategy.is_main and not final and due:
+            metrics_mod.plot_losses(history, self.run_dir / PLOT_FILE, self.rs.spec.name or "")
+            self._plotted = now
+
+    def _finish(self, history: list[dict[str, Any]]) -> nn.Module | None:
+        """Final weights and loss curve; the whole model on rank 0 (None elsewhere)."""
+        model = self._full_model()
+        if self.strategy.is_main:
+            save_weights(model, self.run_dir / "model.safetensors")
+            metrics_mod.plot_losses(history, self.run_dir / PLOT_FILE, self.rs.spec.name or "")
+        return model
