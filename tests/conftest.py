@@ -16,6 +16,18 @@ ROOT = Path(__file__).resolve().parent.parent
 SPECS = ROOT / "specs"
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny tensors: one thread is faster, and immune to OpenMP contention on a busy machine.
+    Use it with ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture
 def fresh_registry():
     """A process registry reloaded from scratch, dropped again afterwards."""

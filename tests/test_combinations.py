@@ -8,20 +8,12 @@ from __future__ import annotations
 import itertools
 
 import pytest
-import torch
 
 from llmkit.errors import SpecError
 from llmkit.registry import get_registry
 from llmkit.testing import check_model_combination
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: one thread is faster, and immune to OpenMP contention on a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 #: Options that make built-ins matter at this size: a window smaller than the sequence (16).

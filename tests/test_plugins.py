@@ -14,7 +14,6 @@ import tomllib
 from pathlib import Path
 
 import pytest
-import torch
 
 from llmkit.cli import main
 from llmkit.registry import Registry, get_registry, reset_registry
@@ -27,12 +26,7 @@ WORKING = {"extras": "llmkit-extras", "losses": "llmkit-losses"}  # entry point 
 EXTRAS_SPEC = PLUGINS / "llmkit-extras" / "specs" / "tiny-extras.toml"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny tensors: one thread is faster, and steady on a busy machine
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture

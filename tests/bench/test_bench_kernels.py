@@ -23,13 +23,7 @@ from tests.conftest import ROOT
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny shapes on a shared 2-core machine: one thread is faster and steadier."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _entry(name: str, **options) -> bk.Entry:

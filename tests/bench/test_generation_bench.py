@@ -19,13 +19,7 @@ from llmkit.runs.checkpoints import WEIGHTS, save_weights
 from llmkit.spec import load_spec_dict
 from tests.helpers import tiny_spec
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -20,13 +20,7 @@ from llmkit.spec import load_spec, load_spec_dict
 from llmkit.testing import check_model_combination, tiny_model_spec
 from tests.conftest import SPECS
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def ctx(d: int = 16, bias: bool = True, n_layers: int = 2) -> BuildContext:

@@ -17,11 +17,8 @@ CORPUS = "the quick brown fox jumps over the lazy dog.\n" * 3
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+def _one_thread(one_thread):
+    """Every test here runs on one thread (tests/conftest.py)."""
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from tests.kernels.common import CUDA, interpreter_ready
 
@@ -47,12 +46,3 @@ def rerun_in_interpreter():
         assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
 
     return rerun
-
-
-@pytest.fixture
-def one_thread():
-    """Tiny tensors: one thread is faster and immune to contention on a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)

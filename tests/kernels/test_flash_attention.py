@@ -48,13 +48,7 @@ fa = pytest.importorskip("llmkit.kernels.flash_attention", reason="needs triton"
 FLOOR = {torch.float32: 5e-6, torch.float16: 5e-4, torch.bfloat16: 4e-3}
 
 
-@pytest.fixture(autouse=True)
-def _few_threads():
-    """Tiny tensors: one thread is faster and immune to contention on a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def math_attention(

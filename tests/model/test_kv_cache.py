@@ -20,13 +20,7 @@ from llmkit.registry import get_registry
 from llmkit.spec import load_spec_dict
 from tests.helpers import registry_with, tiny_spec
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 #: Windows smaller than the sequence, so the rolling buffer wraps several times.
