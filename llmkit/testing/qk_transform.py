@@ -12,19 +12,16 @@ from llmkit.testing.combinations import check_model_combination
 from llmkit.testing.common import (
     Options,
     Record,
+    _build_module,
     _check_grads,
     _check_input_grad,
     _close,
     _device,
     _dtypes,
     _expect,
-    _load,
     _maxdiff,
     _randn,
     _run,
-    _seeded,
-    build_options,
-    init_like_model,
     small_context,
 )
 
@@ -33,18 +30,7 @@ MODELS = [("sdpa", "rope"), ({"name": "sliding_window", "window": 4}, "rope")]
 
 
 def _build(record: Record, options: Options, dev: torch.device, dtype: torch.dtype) -> nn.Module:
-    factory = _load(record)
-    opts = build_options(record, options)
-    ctx = small_context()
-    with _seeded(0, dev):
-        module = _run(record, f"building it with {ctx}", factory, opts, ctx)
-        _expect(
-            isinstance(module, nn.Module),
-            record,
-            f"building it returned {type(module).__name__}, not an nn.Module",
-        )
-        init_like_model(module)
-    return module.to(device=dev, dtype=dtype)
+    return _build_module(record, options, small_context(), dev).to(dtype=dtype)
 
 
 def _call(
