@@ -2,7 +2,8 @@
 
 The template comes from the kind's record: ``Kind.template = "package:relative/dir"`` names a
 directory of package data (resolved with :mod:`importlib.resources`), so a plugin that
-declares a kind with ``template=`` gets ``llmkit plugin new --kind`` for free. The package
+declares a kind with ``template=`` gets ``llmkit plugin new --kind`` for free. A kind with
+neither a template nor a conformance check of its own gets ``templates/generic``. The package
 written is llmkit's skeleton (``templates/skeleton``: a pyproject.toml declaring the ``llmkit``
 entry point, the hook module, tests running the kind's conformance check, a README) overlaid
 with the kind's directory, which holds at least the component module.
@@ -24,6 +25,7 @@ Placeholders: ``dist``, ``pkg``, ``ep``, ``kind``, ``component``, ``module``, ``
 or empty), ``dependencies`` (a TOML array: llmkit, and the kind's provider if it is a plugin),
 ``needs`` (a Python list of the entry points to load for the kind), ``testing_imports``,
 ``spec_example`` (TOML choosing the component where the kind's section is), ``extra_tests``,
+``kind_summary``, ``kind_build``, ``kind_contract`` (from the kind's record),
 and every key of ``[values]``.
 
 Nothing here imports torch: ``llmkit plugin new`` stays fast.
@@ -48,6 +50,8 @@ from llmkit.errors import LlmkitError
 from llmkit.registry import Kind, Registry, get_registry
 
 SKELETON = "llmkit.scaffold:templates/skeleton"
+#: The template of a kind that names none and has no check of its own (check_generic applies).
+GENERIC = "llmkit.scaffold:templates/generic"
 MANIFEST = "template.toml"
 _MANIFEST_KEYS = {"class_suffix", "target_attr", "test_imports", "values", "capabilities"}
 
@@ -106,8 +110,9 @@ def _resolve(ref: str, what: str) -> Traversable:
 
 
 def load_template(kind: str, registry: Registry | None = None) -> KindTemplate:
-    """The template of ``kind``; an unknown kind or one without a template is a
-    :class:`LlmkitError` listing the kinds that have one."""
+    """The template of ``kind``: the one its record names, else llmkit's generic template
+    when the kind has no conformance check of its own. An unknown kind, or one with its own
+    check and no template, is a :class:`LlmkitError` listing the kinds that have one."""
     reg = _registry(registry)
     with_template = ", ".join(template_kinds(reg)) or "none"
     record = reg.kinds.get(kind)
@@ -117,13 +122,14 @@ def load_template(kind: str, registry: Registry | None = None) -> KindTemplate:
         raise LlmkitError(
             f"unknown kind {kind!r}{hint}; kinds with a plugin template: {with_template}"
         )
-    if not record.template:
+    if not record.template and record.check:
         raise LlmkitError(
-            f"kind {kind!r} (from {record.provider}) has no plugin template; kinds with one: "
-            f"{with_template}"
+            f"kind {kind!r} (from {record.provider}) has its own conformance check but no plugin "
+            f"template (its provider can name one with register_kinds(..., template=...)); "
+            f"kinds with one: {with_template}"
         )
     what = f"kind {kind!r} (from {record.provider})"
-    root = _resolve(record.template, what)
+    root = _resolve(record.template or GENERIC, what)
     manifest: dict[str, Any] = {}
     if root.joinpath(MANIFEST).is_file():
         try:
@@ -275,6 +281,9 @@ def render(names: PluginNames, registry: Registry | None = None) -> dict[str, st
         "needs": _py(needs),
         "testing_imports": ", ".join(sorted(testing)),
         "spec_example": _spec_example(template.kind),
+        "kind_summary": template.kind.summary.rstrip("."),
+        "kind_build": template.kind.build or "(the kind's record gives no build signature)",
+        "kind_contract": template.kind.contract or "none named",
         "extra_tests": "",
     }
     values.update(template.values)

@@ -26,6 +26,9 @@ from tests.conftest import ROOT
 
 RUFF = shutil.which("ruff", path=str(Path(sys.executable).parent)) or shutil.which("ruff")
 BUILTIN_TEMPLATES = ["attention", "ffn", "norm", "optimizer", "position", "schedule"]
+#: Every built-in kind generates a package: ``dataset`` names no template and no check of its
+#: own, so it gets llmkit's generic template.
+GENERATED = [*BUILTIN_TEMPLATES, "dataset"]
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -117,7 +120,7 @@ def test_generated_code_imports_only_the_public_api():
     import llmkit.testing
 
     public = {"llmkit": set(llmkit.__all__), "llmkit.testing": set(llmkit.testing.__all__)}
-    for kind in BUILTIN_TEMPLATES:
+    for kind in GENERATED:
         for rel, text in render(plugin_names(f"llmkit-my-{kind}", kind)).items():
             if not rel.endswith(".py"):
                 continue
@@ -133,7 +136,7 @@ def test_generated_code_imports_only_the_public_api():
 
 def test_every_kind_generates_a_package_that_passes_its_own_tests(tmp_path, capsys):
     roots = []
-    for kind in BUILTIN_TEMPLATES:
+    for kind in GENERATED:
         code = main(["plugin", "new", f"llmkit-my-{kind}", "--kind", kind, "--dir", str(tmp_path)])
         out = capsys.readouterr().out
         assert code == 0 and f"created llmkit-my-{kind}" in out and "pip install -e" in out
@@ -149,7 +152,8 @@ def test_every_kind_generates_a_package_that_passes_its_own_tests(tmp_path, caps
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     n = len(BUILTIN_TEMPLATES)
-    assert f"{5 * n - 2} passed" in proc.stdout  # no model test for optimizer/schedule
+    # no model test for optimizer/schedule; the generic dataset package has four tests
+    assert f"{5 * n - 2 + 4} passed" in proc.stdout
 
 
 def test_a_generated_package_builds_installs_and_joins_llmkit(tmp_path, capsys, monkeypatch):
@@ -202,14 +206,6 @@ def test_plugin_new_refuses_what_cannot_work(tmp_path, capsys):
     assert main(["plugin", "new", "llmkit-y", "--kind", "loss", "--dir", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: unknown kind 'loss'; kinds with a plugin template: attention,")
-    # A kind without a template: one line naming the kinds that have one.
-    assert main(["plugin", "new", "llmkit-y", "--kind", "dataset", "--dir", str(tmp_path)]) == 2
-    err = capsys.readouterr().err
-    assert err == (
-        "error: kind 'dataset' (from llmkit) has no plugin template; kinds with one: "
-        "attention, ffn, norm, optimizer, position, schedule\n"
-    )
-    assert not (tmp_path / "llmkit-y").exists()
     assert main(["plugin"]) == 0 and "new" in capsys.readouterr().out
 
 
@@ -236,7 +232,12 @@ from llmkit import hookimpl
 @hookimpl
 def register_kinds(register):
     register("widget", "A throwaway kind", section="widget", template="widgetkit:templates/widget")
-    register("gadget", "A throwaway kind without a template")
+    register("gadget", "A throwaway kind without a template", check="widgetkit:check_gadget")
+    register("gizmo", "A throwaway kind with neither a template nor a check", section="gizmo")
+
+
+def check_gadget(record, options=None, *, device=None):
+    pass
 """,
     "broken.py": """\
 from llmkit import hookimpl
@@ -305,12 +306,20 @@ def test_a_kind_with_a_template_gets_plugin_new(widgetkit, tmp_path, capsys):
         out = capsys.readouterr().out
         assert "created llmkit-blue" in out and "widget 'blue' (llmkit_blue.blue:BlueWidget)" in out
         assert "llmkit show widget blue" in out
-        # A kind without a template: one line naming the kinds that have one.
+        # A kind with its own check but no template: one line naming the kinds with one.
         assert main(["plugin", "new", "llmkit-x", "--kind", "gadget", "--dir", out_dir]) == 2
         assert capsys.readouterr().err == (
-            "error: kind 'gadget' (from llmkit-widgets) has no plugin template; kinds with one: "
-            "attention, ffn, norm, optimizer, position, schedule, widget\n"
+            "error: kind 'gadget' (from llmkit-widgets) has its own conformance check but no "
+            "plugin template (its provider can name one with register_kinds(..., template=...)); "
+            "kinds with one: attention, ffn, norm, optimizer, position, schedule, widget\n"
         )
+        # Neither a template nor a check: llmkit's generic template, naming the kind's table.
+        assert main(["plugin", "new", "llmkit-y", "--kind", "gizmo", "--dir", out_dir]) == 0
+        capsys.readouterr()
+        module = tmp_path / "out" / "llmkit-y" / "llmkit_y" / "y.py"
+        assert "class YGizmo:" in module.read_text()
+        readme = (tmp_path / "out" / "llmkit-y" / "README.md").read_text()
+        assert '[gizmo]\nname = "y"' in readme
     finally:
         reset_registry()
     root = tmp_path / "out" / "llmkit-blue"
