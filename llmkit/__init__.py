@@ -16,6 +16,8 @@ The public API is what ``__all__`` lists, imported as ``from llmkit import name`
 - the registry: ``Registry``, ``get_registry``, ``reset_registry``, ``Kind``, ``Component``;
 - specs and models: ``load_spec``, ``load_spec_dict``, ``resolve``, ``ResolvedSpec``,
   ``build_model``, ``Transformer``, ``ModelOutput``;
+- runs: ``train`` (a spec to a run directory), ``load_run`` (a run's model, tokenizer and
+  spec), ``Generator`` and ``Sampling`` (text generation);
 - the command line: ``cli_main(argv) -> exit code`` (what the ``llmkit`` script runs).
 
 One public module besides: :mod:`llmkit.testing`, the conformance suite plugin authors run in
@@ -52,6 +54,7 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and IDEs
         ffn_hidden,
     )
     from llmkit.errors import LlmkitError, PluginError, RegistryError, SpecError
+    from llmkit.inference import Generator, Sampling
     from llmkit.model import ModelOutput, Transformer, build_model
     from llmkit.ops import attention_mask, check_shapes, reference_attention, sdpa_attention
     from llmkit.optim import (
@@ -67,7 +70,9 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and IDEs
         set_lr_factor,
     )
     from llmkit.registry import Component, Kind, Registry, get_registry, reset_registry
+    from llmkit.runs import load_run
     from llmkit.spec import ResolvedSpec, load_spec, load_spec_dict, resolve
+    from llmkit.training import train
 
 __version__ = "0.1.0"
 
@@ -116,6 +121,10 @@ _LAZY: dict[str, str] = {
     "ModelOutput": "llmkit.model",
     "Transformer": "llmkit.model",
     "build_model": "llmkit.model",
+    "Generator": "llmkit.inference",
+    "Sampling": "llmkit.inference",
+    "train": "llmkit.training",
+    "load_run": "llmkit.runs",
     "cli_main": "llmkit.cli:main",
 }
 
@@ -130,6 +139,7 @@ __all__ = [
     "Component",
     "ComponentOptions",
     "DistanceBias",
+    "Generator",
     "Kind",
     "LlmkitError",
     "ModelOutput",
@@ -141,6 +151,7 @@ __all__ = [
     "Registry",
     "RegistryError",
     "ResolvedSpec",
+    "Sampling",
     "ScheduleOptions",
     "SideOutputs",
     "SpecError",
@@ -157,6 +168,7 @@ __all__ = [
     "get_registry",
     "hookimpl",
     "linear_warmup",
+    "load_run",
     "load_spec",
     "load_spec_dict",
     "param_groups_for",
@@ -166,6 +178,7 @@ __all__ = [
     "sdpa_attention",
     "set_initial_lr",
     "set_lr_factor",
+    "train",
 ]
 
 

@@ -160,8 +160,6 @@ class Kind:
         return import_target(self.bench) if self.bench else None
 
 
-
-
 @dataclass
 class PluginInfo:
     """What one plugin is and what it did."""

@@ -42,7 +42,7 @@ def register_commands(register: Callable[..., Any]) -> None:
         "over sequence lengths and head dims (attention) or token counts (ffn, norm): median "
         "time, TFLOP/s (GB/s for norms), peak memory and the ratios against a baseline. "
         "Prints a table and writes JSON and a PNG plot under --out. FLOP counts and the memory "
-        "measure are described in llmkit/bench/kernels.py.",
+        "measure are described in llmkit/bench/kernels/.",
         configure=configure_kernels,
     )
 

@@ -27,6 +27,10 @@ Per kind (see each ``check_*`` function for the details):
   step follows ``group["lr"]`` (which schedules set).
 - ``schedule``: warmup rises to a peak of 1.0, never negative, non-increasing over the last
   20% of steps, a pure function of the step.
+- ``block``: keeps its parts, shape and dtype, residual path, gradients, causality, and inside a
+  tiny model training and KV-cache decoding (:mod:`llmkit.testing.block`).
+- ``qk_transform``: shapes with grouped kv heads, token by token, gradients, and tiny models
+  with plain and windowed kernels (:mod:`llmkit.testing.qk_transform`).
 - any other kind (plugins may add kinds): the kind's own check, which it names in
   ``register_kinds(..., check="module:attr")``; without one, :func:`check_generic`: the
   options model validates its defaults (unless it has required fields, e.g. a dataset's

@@ -149,4 +149,3 @@ def test_an_optional_per_layer_kind_fills_only_the_layers_that_name_it():
     assert [plan.get("hook") and plan.hook.name for plan in rs.layers] == [None, "on", "on"]
     assert "hook" not in rs.model_slots
     assert "hook" not in rs.to_dict()["model"]["layers"][0]
-
