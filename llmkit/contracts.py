@@ -47,6 +47,13 @@ import torch
 from pydantic import BaseModel, ConfigDict
 from torch import Tensor, nn
 
+#: What the component of the spec table ``train.loss`` (the training objective's seam, read by
+#: ``llmkit.training.objective``) follows, whichever kind declares that section.
+LOSS_CONTRACT = (
+    "Loss(options) -> nn.Module; loss(logits (..., V), targets (...)) -> 0-dim float tensor: "
+    "the mean over targets that are not -100 (0 with a zero gradient when all are)"
+)
+
 POSITION_SITES = ("embedding", "qk", "score_bias")
 
 

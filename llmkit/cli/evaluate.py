@@ -65,6 +65,7 @@ def _tokens(run: Any, data: str | None) -> tuple[Any, int, str]:
 def run_eval(args: argparse.Namespace) -> int:
     from llmkit import hardware
     from llmkit.runs import load_run
+    from llmkit.training import Objective
     from llmkit.training.evaluate import evaluate_batches, full_text_batches
 
     run = load_run(args.run, which=args.weights)
@@ -72,16 +73,23 @@ def run_eval(args: argparse.Namespace) -> int:
     run.model.to(device)
     block = run.spec.spec.data.block_size or run.spec.model.max_seq_len
     tokens, text_bytes, source = _tokens(run, args.data)
+    objective = Objective.from_spec(run.spec)  # what the run trained on (val_loss)
 
     def evaluate(model: Any) -> Any:
-        res = evaluate_batches(model, full_text_batches(tokens, block, args.batch_size), device)
+        batches = full_text_batches(tokens, block, args.batch_size)
+        res = evaluate_batches(model, batches, device, objective=objective)
         res.text_bytes = text_bytes
         return res
 
     res = evaluate(run.model)
     con = console(stderr=args.json)  # with --json, stdout carries the JSON alone
     con.print(f"{run.weights} on {source}: {res.tokens:,} tokens", markup=False)
-    con.print(f"loss {res.loss:.4f} nats/token, perplexity {res.ppl:.3f}")
+    if res.cross_entropy is not None:
+        name = run.spec.components["train.loss"].name
+        con.print(f"objective ({name}) {res.loss:.4f} per token", markup=False)
+        con.print(f"cross-entropy {res.ce:.4f} nats/token, perplexity {res.ppl:.3f}")
+    else:
+        con.print(f"loss {res.loss:.4f} nats/token, perplexity {res.ppl:.3f}")
     if res.bits_per_byte is not None:
         con.print(f"{res.nats_per_byte:.4f} nats/byte, {res.bits_per_byte:.4f} bits/byte")
     report = res.as_dict()

@@ -1,7 +1,8 @@
 """The training objective: what a step minimizes and what evaluation reports as the loss.
 
-A spec that chooses a component of the ``loss`` kind (``[train] loss = { name = ...,
-<options> }``, the section the kind declares) trains on that loss of the model's logits and
+The seam is the spec table ``train.loss`` (:data:`LOSS_SECTION`), not a kind name: a spec that
+chooses a component there (``[train] loss = { name = ..., <options> }``; plugins/llmkit-losses
+declares the ``loss`` kind with that section) trains on that loss of the model's logits and
 the targets; without one, on the model's own cross-entropy. Either way every auxiliary
 loss a component reports is added for the gradient. The objective knows no concrete loss:
 a loss component is built as ``Loss(options)`` and called as ``loss(logits, targets)``,
@@ -18,8 +19,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-#: The kind whose component, when the spec chooses one, is the training objective.
-LOSS_KIND = "loss"
+#: The spec table whose component, when a spec chooses one, is the training objective; the
+#: contract it follows is :data:`llmkit.contracts.LOSS_CONTRACT`.
+LOSS_SECTION = "train.loss"
 #: Where a loss component's side outputs appear (``metric/loss.<name>``).
 LOSS_PREFIX = "loss"
 
@@ -52,7 +54,7 @@ class Objective:
     @classmethod
     def from_spec(cls, rs: Any) -> Objective:
         """The objective a resolved spec chooses."""
-        res = rs.component(LOSS_KIND)
+        res = rs.components.get(LOSS_SECTION)
         return cls(res.build(res.options) if res is not None else None)
 
     @property

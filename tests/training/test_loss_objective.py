@@ -178,3 +178,21 @@ def test_a_run_with_a_loss_component_resumes_exactly(tmp_path):
     assert val_losses(run) == val_losses(full)
     keys = [set(m) for m in read_metrics(run) if "loss" in m]
     assert all("metric/loss.z_loss" in k for k in keys)
+
+
+def test_llmkit_eval_reports_the_runs_objective_beside_cross_entropy(losses_on, tmp_path, capsys):
+    import json
+
+    from llmkit.cli import main
+
+    spec = write_spec(tmp_path, {"name": "z_loss", "weight": 0.1}, max_steps=2, eval_interval=2)
+    train(spec, run_dir=tmp_path / "run", **quiet())
+    text = tmp_path / "held_out.txt"
+    text.write_text(CORPUS[:400])
+    capsys.readouterr()
+    assert main(["eval", str(tmp_path / "run"), "--data", str(text), "--json"]) == 0
+    captured = capsys.readouterr()
+    report = json.loads(captured.out)
+    assert "objective (z_loss)" in captured.err and "cross-entropy" in captured.err
+    assert report["loss"] > report["cross_entropy"] > 0  # the z-loss term is positive
+    assert report["ppl"] == pytest.approx(math.exp(report["cross_entropy"]), rel=1e-6)
