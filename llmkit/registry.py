@@ -34,8 +34,6 @@ from llmkit.errors import PluginError, RegistryError
 BUILTIN_PLUGIN = "builtin"
 #: Plugin names only llmkit's own plugins may use (components; the CLI's built-in commands).
 RESERVED_PLUGIN_NAMES = (BUILTIN_PLUGIN, "builtin-cli")
-#: The module of llmkit's built-in plugin (the value of its ``llmkit`` entry point).
-BUILTIN_MODULE = "llmkit.components.builtin"
 #: The hooks llmkit calls on every plugin, in this order (all plugins' kinds first).
 REGISTRATION_HOOKS = ("register_kinds", "register_components")
 CATALOGUE = Path(__file__).with_name("registry.toml")
@@ -260,10 +258,12 @@ class Registry:
                 f"named in LLMKIT_PLUGINS, but no installed package provides it "
                 f"(installed plugins: {installed})",
             )
-        if BUILTIN_PLUGIN not in self.plugins:  # e.g. running from a source tree
-            builtin = importlib.import_module(BUILTIN_MODULE)  # as its entry point would
-            info = self._register(builtin, BUILTIN_PLUGIN, "llmkit", _own_version())
-            loaded.insert(0, info)
+        if BUILTIN_PLUGIN not in self.plugins:  # llmkit's own entry point is missing
+            self._fail(
+                PluginInfo(BUILTIN_PLUGIN, "llmkit", _own_version()),
+                "llmkit's built-in plugin has no entry point: llmkit is not installed "
+                "(pip install -e . in its source tree)",
+            )
         for hook_name in REGISTRATION_HOOKS:
             for info in loaded:
                 self._call(info, hook_name)

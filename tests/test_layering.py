@@ -71,6 +71,10 @@ def _root_name_modules() -> dict[str, str | None]:
 
 
 ROOT_NAMES = _root_name_modules()
+#: The conformance suite's public names (``llmkit/testing/__init__.py``'s ``__all__``).
+TESTING_NAMES: list[str] = _literal(  # type: ignore[assignment]
+    ast.parse((PACKAGE / "testing" / "__init__.py").read_text(encoding="utf-8")), "__all__"
+)
 
 
 def _module_name(path: Path) -> str:
@@ -95,6 +99,22 @@ def _imports(path: Path) -> Iterator[tuple[int, str, tuple[str, ...]]]:
                 parent = package.split(".")[: len(package.split(".")) - node.level + 1]
                 base = ".".join([*parent, base] if base else parent)
             yield node.lineno, base, tuple(a.name for a in node.names)
+        elif isinstance(node, ast.Call) and _dynamic_import(node):
+            yield node.lineno, node.args[0].value, ()  # import_module("llmkit.x") counts too
+
+
+def _dynamic_import(node: ast.Call) -> bool:
+    """``importlib.import_module("llmkit...")`` / ``import_target("llmkit...:attr")`` with a
+    literal module name: an import spelled as a string is still an import."""
+    func = node.func
+    name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+    if name not in ("import_module", "import_target", "__import__") or not node.args:
+        return False
+    arg = node.args[0]
+    if not (isinstance(arg, ast.Constant) and isinstance(arg.value, str)):
+        return False
+    arg.value = arg.value.partition(":")[0]
+    return _is_llmkit(arg.value)
 
 
 def _is_llmkit(module: str) -> bool:
@@ -174,6 +194,9 @@ def _plugin_violations() -> Iterator[tuple[str, str, str]]:
                     for name in names:
                         if name not in PUBLIC_NAMES and f"llmkit.{name}" not in PUBLIC_MODULES:
                             yield rel, module, f"{rel}:{node.lineno} imports llmkit.{name}"
+                elif module == "llmkit.testing":
+                    for name in set(names) - set(TESTING_NAMES):
+                        yield rel, module, f"{rel}:{node.lineno} imports llmkit.testing.{name}"
 
 
 def _unexpected(found: Iterator[tuple[str, str, str]]) -> list[str]:
@@ -246,3 +269,23 @@ def test_every_public_name_resolves():
     missing = [name for name in llmkit.__all__ if getattr(llmkit, name, None) is None]
     assert missing == []
     assert llmkit.cli_main is llmkit.cli.main
+
+
+def test_string_imports_and_private_testing_names_are_caught(tmp_path):
+    """The checks see an import spelled as a string, and a plugin reaching past
+    ``llmkit.testing.__all__``."""
+    lower = tmp_path / "llmkit" / "model" / "m.py"
+    lower.parent.mkdir(parents=True)
+    lower.write_text('import importlib\nimportlib.import_module("llmkit.training.trainer")\n')
+    found = [(line, mod) for line, mod, _ in _imports_at(lower, tmp_path)]
+    assert found == [(1, "importlib"), (2, "llmkit.training.trainer")]
+    assert "_fail" not in TESTING_NAMES and "check_component" in TESTING_NAMES
+
+
+def _imports_at(path: Path, root: Path) -> list[tuple[int, str, tuple[str, ...]]]:
+    global ROOT
+    saved, ROOT = ROOT, root
+    try:
+        return sorted(_imports(path))
+    finally:
+        ROOT = saved

@@ -220,3 +220,14 @@ def test_env_allow_list_is_read(fake_entry_points, monkeypatch):
         assert set(get_registry().plugins) == {"builtin", "good"}
     finally:
         reset_registry()
+
+
+def test_a_missing_builtin_entry_point_is_reported_not_imported_by_name(monkeypatch):
+    """The registry never names a component module: without llmkit's own entry point (llmkit
+    not installed) the built-in plugin is a reported failure."""
+    monkeypatch.setattr(md, "entry_points", lambda group: [])
+    reg = Registry()
+    reg.load_entry_points([])
+    (failed,) = reg.failures()
+    assert failed.name == "builtin" and "llmkit is not installed" in failed.error
+    assert not reg.components
