@@ -25,7 +25,16 @@ from llmkit.testing import check_component
 from tests.conftest import ROOT
 
 RUFF = shutil.which("ruff", path=str(Path(sys.executable).parent)) or shutil.which("ruff")
-BUILTIN_TEMPLATES = ["attention", "ffn", "norm", "optimizer", "position", "schedule"]
+BUILTIN_TEMPLATES = [
+    "attention",
+    "block",
+    "ffn",
+    "norm",
+    "optimizer",
+    "position",
+    "qk_transform",
+    "schedule",
+]
 #: Every built-in kind generates a package: ``dataset`` names no template and no check of its
 #: own, so it gets llmkit's generic template.
 GENERATED = [*BUILTIN_TEMPLATES, "dataset"]
@@ -151,9 +160,9 @@ def test_every_kind_generates_a_package_that_passes_its_own_tests(tmp_path, caps
         LLMKIT_PLUGINS="",
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
-    n = len(BUILTIN_TEMPLATES)
-    # no model test for optimizer/schedule; the generic dataset package has four tests
-    assert f"{5 * n - 2 + 4} passed" in proc.stdout
+    # four tests each, and a model test for the kinds whose template adds one
+    with_model_test = {"attention", "ffn", "norm", "position"}
+    assert f"{sum(5 if k in with_model_test else 4 for k in GENERATED)} passed" in proc.stdout
 
 
 def test_a_generated_package_builds_installs_and_joins_llmkit(tmp_path, capsys, monkeypatch):
@@ -311,7 +320,8 @@ def test_a_kind_with_a_template_gets_plugin_new(widgetkit, tmp_path, capsys):
         assert capsys.readouterr().err == (
             "error: kind 'gadget' (from llmkit-widgets) has its own conformance check but no "
             "plugin template (its provider can name one with register_kinds(..., template=...)); "
-            "kinds with one: attention, ffn, norm, optimizer, position, schedule, widget\n"
+            "kinds with one: attention, block, ffn, norm, optimizer, position, qk_transform, "
+            "schedule, widget\n"
         )
         # Neither a template nor a check: llmkit's generic template, naming the kind's table.
         assert main(["plugin", "new", "llmkit-y", "--kind", "gizmo", "--dir", out_dir]) == 0
