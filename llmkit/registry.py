@@ -433,7 +433,8 @@ class Registry:
             raise RegistryError(self._conflict_message(self.conflicts[key]))
         names = sorted(self.names(kind))
         raise RegistryError(
-            f"unknown {kind} {name!r}{_suggest(name, names)}; available: {', '.join(names)}"
+            f"unknown {kind} {name!r}{_suggest(name, names)}; available: "
+            f"{', '.join(names) or 'none (no installed plugin provides one)'}"
         )
 
     def names(self, kind: str) -> list[str]:

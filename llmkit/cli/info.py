@@ -75,7 +75,7 @@ def run_info(args: argparse.Namespace) -> int:
     con.print(
         f"d_model={m.d_model} n_layers={m.n_layers} n_heads={m.n_heads} "
         f"n_kv_heads={m.kv_heads} head_dim={m.dim_head} vocab={m.vocab_size} "
-        f"max_seq_len={m.max_seq_len} norm={m.norm_placement} tied={m.tie_embeddings}"
+        f"max_seq_len={m.max_seq_len} tied={m.tie_embeddings}"
     )
     con.print(
         f"position: {ref(rs.position)}   final norm: {ref(rs.norm) if m.final_norm else 'none'}",
