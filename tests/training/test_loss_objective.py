@@ -163,10 +163,15 @@ def test_evaluation_without_an_objective_is_cross_entropy(losses_on):
     assert res.ppl == pytest.approx(plain.ppl)  # perplexity stays the cross-entropy's
 
 
-def test_a_run_with_a_loss_component_resumes_exactly(tmp_path):
+@pytest.mark.parametrize(
+    "loss",
+    [{"name": "z_loss", "weight": 1e-3}, {"name": "label_smoothing", "smoothing": 0.1}],
+    ids=["z_loss", "label_smoothing"],
+)
+def test_a_run_with_a_loss_component_resumes_exactly(tmp_path, loss):
     spec = write_spec(
         tmp_path,
-        {"name": "z_loss", "weight": 1e-3},
+        loss,
         max_steps=80,
         eval_interval=40,
         checkpoint_interval=10,
@@ -177,7 +182,8 @@ def test_a_run_with_a_loss_component_resumes_exactly(tmp_path):
     assert losses(run) == losses(full) and len(losses(full)) == 80
     assert val_losses(run) == val_losses(full)
     keys = [set(m) for m in read_metrics(run) if "loss" in m]
-    assert all("metric/loss.z_loss" in k for k in keys)
+    if loss["name"] == "z_loss":
+        assert all("metric/loss.z_loss" in k for k in keys)
 
 
 def test_llmkit_eval_reports_the_runs_objective_beside_cross_entropy(losses_on, tmp_path, capsys):
