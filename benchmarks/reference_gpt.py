@@ -19,7 +19,7 @@ follows that description:
 
 ``python -m benchmarks.reference_gpt --data PATH`` runs the shakespeare-char CPU recipe
 and prints one JSON line (final validation loss, wall time, tokens/s);
-``benchmarks/test_training.py`` times its training step next to ours.
+``benchmarks/training/test_training.py`` times its training step next to ours.
 """
 
 from __future__ import annotations

@@ -147,7 +147,7 @@ def test_benchmark_suite_picks_up_plugin_components():
             "-k",
             "dyt or scalenorm",
             "-v",
-            "benchmarks/test_components.py",
+            "benchmarks/components/test_components.py",
         ],
         capture_output=True,
         text=True,

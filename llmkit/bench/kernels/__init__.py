@@ -1,5 +1,5 @@
 """Timing kernels across every registered component of a kind (``llmkit bench kernels``,
-``benchmarks/test_kernels.py``, ``benchmarks/scripts/gpu_check.py``).
+``benchmarks/kernels/test_kernels.py``, ``benchmarks/scripts/gpu_check.py``).
 
 A kind is benchmarkable when its registry record names a bench adapter (``bench =
 "module:attr"``, a :class:`KernelBench`): attention, ffn and norm do, and so does any plugin

@@ -23,7 +23,7 @@ class Options(OptimizerOptions):
 
 #: Devices whose parameters torch's fused AdamW takes. On a 2-core CPU it steps the baby GPT
 #: (10.7M parameters) in 5.7 ms instead of 27.7 ms (median; ``LLMKIT_BENCH=full pytest
-#: benchmarks/test_components.py -k optimizer``), the shakespeare-char model in 0.43 ms
+#: benchmarks/components/test_components.py -k optimizer``), the shakespeare-char model in 0.43 ms
 #: instead of 2.33 ms.
 FUSED_DEVICES = ("cpu", "cuda")
 

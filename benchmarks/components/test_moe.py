@@ -3,8 +3,8 @@ against a dense SwiGLU with the same active parameters (hidden top_k·h) and aga
 plain masked loop that runs every expert on every token (the tests' reference).
 
 Quick shapes by default; ``LLMKIT_BENCH=full`` for larger ones. Run
-``pytest benchmarks/test_moe.py`` (``--benchmark-disable`` only checks that it runs). CPU,
-one thread (see ``_one_thread``).
+``pytest benchmarks/components/test_moe.py`` (``--benchmark-disable`` only checks that it
+runs). CPU, one thread (see ``_one_thread``).
 """
 
 from __future__ import annotations

@@ -1,0 +1,1 @@
+"""Benchmarks of the built-in components, parametrized over the registry."""

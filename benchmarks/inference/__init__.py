@@ -1,0 +1,1 @@
+"""Generation benchmarks (llmkit.inference against transformers)."""

@@ -1,0 +1,1 @@
+"""Kernel benchmarks (llmkit.bench.kernels over every benchmarkable kind)."""

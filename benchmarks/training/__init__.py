@@ -1,0 +1,1 @@
+"""Training benchmarks (llmkit.training against the reference loop)."""
