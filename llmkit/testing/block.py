@@ -15,14 +15,11 @@ from torch import Tensor, nn
 
 from llmkit.contracts import (
     AttentionInputs,
-    AttentionKernel,
     BlockParts,
     BuildContext,
-    DistanceBias,
     NoOptions,
     PositionalScheme,
 )
-from llmkit.ops import reference_attention
 from llmkit.testing.combinations import check_model_combination
 from llmkit.testing.common import (
     Options,
@@ -44,22 +41,6 @@ from llmkit.testing.common import (
 )
 
 
-class _ReferenceKernel(AttentionKernel):
-    def forward(
-        self,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        *,
-        causal: bool = True,
-        bias: DistanceBias | None = None,
-        key_padding_mask: Tensor | None = None,
-    ) -> Tensor:
-        return reference_attention(
-            q, k, v, causal=causal, bias=bias, key_padding_mask=key_padding_mask
-        )
-
-
 class _MLP(nn.Module):
     def __init__(self, d: int) -> None:
         super().__init__()
@@ -71,11 +52,14 @@ class _MLP(nn.Module):
 
 def block_parts(ctx: BuildContext) -> BlockParts:
     """Stand-in parts for checking a block alone: an attention module around the reference
-    kernel, a two-layer GELU MLP and ``nn.LayerNorm`` norms."""
+    kernel (the built-in ``dense``, :func:`llmkit.ops.reference_attention`), a two-layer GELU
+    MLP and ``nn.LayerNorm`` norms."""
     from llmkit.model.attention import Attention
+    from llmkit.registry import get_registry
 
+    dense = get_registry().get("attention", "dense")
     return BlockParts(
-        attention=Attention(ctx, _ReferenceKernel(NoOptions(), ctx)),
+        attention=Attention(ctx, dense.load()(dense.parse_options({}), ctx)),
         ffn=_MLP(ctx.d_model),
         norm=lambda: nn.LayerNorm(ctx.d_model),
     )
