@@ -291,12 +291,19 @@ class Registry:
         self.plugins[name] = info
         return info
 
-    def _call(self, info: PluginInfo, hook_name: str) -> None:
-        """Run ``info``'s implementation of ``hook_name`` with a ``register`` bound to it."""
-        bind = {
-            "register_kinds": self._kind_registrar,
-            "register_components": self._component_registrar,
-        }[hook_name]
+    def _call(
+        self,
+        info: PluginInfo,
+        hook_name: str,
+        bind: Callable[[PluginInfo], Callable[..., Any]] | None = None,
+    ) -> None:
+        """Run ``info``'s implementation of ``hook_name`` with ``register=bind(info)`` (by
+        default the kind or component registrar), recording a failure against ``info``."""
+        if bind is None:
+            bind = {
+                "register_kinds": self._kind_registrar,
+                "register_components": self._component_registrar,
+            }[hook_name]
         for impl in getattr(self.pm.hook, hook_name).get_hookimpls():
             if impl.plugin_name != info.name:
                 continue
@@ -463,15 +470,8 @@ class Registry:
         :meth:`load_entry_points`: a plugin whose hook raises is recorded as failed (or,
         under ``LLMKIT_STRICT_PLUGINS``, raises :class:`PluginError`); the rest still run.
         """
-        impls = getattr(self.pm.hook, hook_name).get_hookimpls()
         for info in sorted(self.plugins.values(), key=lambda p: p.distribution != "llmkit"):
-            for impl in impls:
-                if impl.plugin_name != info.name:
-                    continue
-                try:
-                    impl.function(register=bind(info))
-                except Exception as exc:
-                    self._fail(info, f"{hook_name}: {type(exc).__name__}: {exc}")
+            self._call(info, hook_name, bind)
 
 
 def _check_kind(kind: Kind, others: dict[str, Kind]) -> None:
