@@ -39,6 +39,7 @@ in OLMo 2, Qwen3 and Gemma 3).
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -217,7 +218,7 @@ class BlockParts:
     norm: Callable[[], nn.Module]  # a new norm of the layer's norm component per call
 
 
-class Block(nn.Module):
+class Block(nn.Module, ABC):
     """Base of block components: ``Block(options, ctx, parts)``; ``forward(x, inputs) -> x``.
 
     Sets ``options``, ``ctx`` and the residual dropout ``drop`` (``ctx.dropout``).
@@ -233,11 +234,12 @@ class Block(nn.Module):
         """Residual dropout of a sublayer's output (skipped in eval and when p = 0)."""
         return self.drop(y) if self.training and self.drop.p > 0 else y
 
-    def forward(self, x: Tensor, inputs: AttentionInputs) -> Tensor:  # pragma: no cover
-        raise NotImplementedError
+    @abstractmethod
+    def forward(self, x: Tensor, inputs: AttentionInputs) -> Tensor:
+        """The block's output (B, T, C) for ``x`` (B, T, C)."""
 
 
-class QKTransform(nn.Module):
+class QKTransform(nn.Module, ABC):
     """Base of q/k transforms: ``QKTransform(options, ctx)``; ``forward(q, k) -> (q, k)``.
 
     ``q`` (B, Hq, T, D), ``k`` (B, Hkv, T, D) with D = ``ctx.head_dim``; position-wise.
@@ -248,5 +250,6 @@ class QKTransform(nn.Module):
         self.options = options
         self.ctx = ctx
 
-    def forward(self, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:  # pragma: no cover
-        raise NotImplementedError
+    @abstractmethod
+    def forward(self, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
+        """The transformed ``(q, k)``, of the same shapes and dtype."""

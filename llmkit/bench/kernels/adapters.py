@@ -12,6 +12,7 @@ FLOPs or bytes.
 from __future__ import annotations
 
 import difflib
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -84,7 +85,7 @@ class Case:
 
 
 @dataclass(frozen=True, kw_only=True)
-class KernelBench:
+class KernelBench(ABC):
     """How ``llmkit bench kernels`` times the components of one kind: its ``bench`` adapter.
 
     The fields drive the sweep and the reports; a subclass says which record fields describe
@@ -117,13 +118,13 @@ class KernelBench:
         """The x axis: the last column."""
         return self.columns[-1]
 
+    @abstractmethod
     def fields(self, case: Case) -> dict[str, Any]:
         """The record fields describing ``case`` (a prepared call may update them)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def prepare(self, entry: Entry, case: Case) -> Prepared:
         """The timed call of ``entry`` on ``case``; raises Unsupported when it cannot run."""
-        raise NotImplementedError
 
     def shape_note(self, records: list[dict[str, Any]]) -> str:
         """What the title line of ``llmkit bench kernels`` adds about the shapes."""
