@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 from collections.abc import Callable
 from typing import Any
 
@@ -25,6 +26,11 @@ def configure_train(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resume", action="store_true", help="continue the run in --out / RUN")
     add_set(p)
     p.add_argument("--max-steps", type=at_least(1), help="optimizer steps (sets train.max_steps)")
+    p.add_argument(
+        "--init-from",
+        metavar="RUN",
+        help="start from this run's (or checkpoint's) weights (sets train.init_from)",
+    )
     p.add_argument("--max-time", type=seconds, help="stop after this many seconds")
     p.add_argument("--no-sample", action="store_true", help="skip the sample at the end")
     p.add_argument(
@@ -50,6 +56,10 @@ def _train(args: argparse.Namespace) -> int:
     sets = list(args.set or [])
     if args.max_steps is not None:
         sets.append(f"train.max_steps={args.max_steps}")
+    if args.init_from is not None:
+        if args.resume:
+            raise LlmkitError("--init-from starts a new run; it cannot be combined with --resume")
+        sets.append(f"train.init_from={json.dumps(args.init_from)}")
     if args.resume:
         if args.spec is not None and args.out is None:
             args.out = args.spec  # `llmkit train --resume RUN_DIR`

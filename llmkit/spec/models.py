@@ -183,6 +183,18 @@ class TrainSpec(Strict):
     dist_timeout: float = Field(
         600.0, gt=0, description="Seconds a collective may wait before the job fails."
     )
+    init_from: str | None = Field(
+        None,
+        min_length=1,
+        description="Start from these weights: a run directory, a checkpoint directory or a "
+        ".safetensors file (never modified); the optimizer and schedule start fresh and the "
+        "source's tokenizer is used unless tokenizer.path is set.",
+    )
+    init_resize_vocab: bool = Field(
+        False,
+        description="init_from: allow a different vocabulary size (shared rows are copied, "
+        "new rows keep their fresh initialisation).",
+    )
 
 
 class Spec(Strict):

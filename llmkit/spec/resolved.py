@@ -107,6 +107,22 @@ class ResolvedSpec:
         spec = self.spec.model_copy(update={"model": model})
         return dataclasses.replace(self, spec=spec, raw=raw)
 
+    def with_settings(self, settings: dict[str, Any]) -> ResolvedSpec:
+        """A copy with plain settings ``{"table.field": value}`` (``train.init_from``,
+        ``tokenizer.kind``…) changed in ``spec`` and ``raw`` alike; as
+        :meth:`with_vocab_size`, for values the trainer settles, not the user's choices,
+        so nothing is validated or resolved again."""
+        raw = copy.deepcopy(self.raw)
+        spec = self.spec
+        for path, value in settings.items():
+            table, _, name = path.partition(".")
+            sub = getattr(spec, table, None)
+            if sub is None or not name or name not in type(sub).model_fields:
+                raise ValueError(f"{path} is not a plain spec setting")
+            raw.setdefault(table, {})[name] = value
+            spec = spec.model_copy(update={table: sub.model_copy(update={name: value})})
+        return dataclasses.replace(self, spec=spec, raw=raw)
+
     def to_dict(self) -> dict[str, Any]:
         """The fully resolved spec: defaults filled, one entry per layer."""
         out = self.spec.model_dump(mode="json", exclude={"extends"}, exclude_none=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -17,8 +18,9 @@ from torch import nn
 
 from llmkit import hardware
 from llmkit.errors import LlmkitError
-from llmkit.runs import METRICS_FILE, PLOT_FILE, SPEC_FILE, save_spec
+from llmkit.runs import METRICS_FILE, PLOT_FILE, SPEC_FILE, TOKENIZER_FILE, save_spec
 from llmkit.runs.checkpoints import Checkpoints, rng_state, save_weights
+from llmkit.runs.init_from import TOKENIZER_FILES, InitSource, find_init_source, load_init_weights
 from llmkit.spec import ResolvedSpec
 from llmkit.training import metrics as metrics_mod
 from llmkit.training import resume
@@ -101,7 +103,10 @@ class Trainer:
         self.precision = hardware.choose_precision(t.precision, self.device)
         strategy.check_precision(self.precision)
 
+        init = self._init_source()  # before any data is read: a bad source fails at once
         with strategy.main_first():  # rank 0 trains the tokenizer and tokenizes first
+            if init is not None and strategy.is_main:
+                self._adopt_tokenizer(init)
             data = prepare_data(self.rs, self.run_dir, log=self.log)
         self.data, self.tokenizer = data, data.tokenizer
         if self.tokenizer.vocab_size != self.rs.model.vocab_size:
@@ -130,6 +135,15 @@ class Trainer:
 
         torch.manual_seed(t.seed)  # the same initial weights on every rank
         self.model = build_model(self.rs).to(self.device)
+        if init is not None and not self.resume:  # a resumed run restores its own weights
+            self.log(
+                load_init_weights(
+                    self.model,
+                    init,
+                    vocab_size=self.rs.model.vocab_size,
+                    resize_vocab=t.init_resize_vocab,
+                )
+            )
         self.model.activation_checkpointing = t.activation_checkpointing
         wrapped = strategy.wrap(self.model, t, self.precision)
         line = strategy.describe(t.batch_size, t.grad_accum)
@@ -169,6 +183,34 @@ class Trainer:
             self._restore()  # last: it sets the RNG state
             if self.edited and strategy.is_main:
                 save_spec(self.rs, self.run_dir)  # the edited recipe is the run's from now on
+
+    def _init_source(self) -> InitSource | None:
+        """Where ``train.init_from`` points (made absolute in the run's spec); None without
+        one, or when resuming (the run's checkpoint holds the weights)."""
+        if self.t.init_from is None or self.resume:
+            return None
+        init = find_init_source(self.t.init_from)
+        self.rs = self.rs.with_settings({"train.init_from": str(init.path)})
+        self.t = self.rs.spec.train
+        return init
+
+    def _adopt_tokenizer(self, init: InitSource) -> None:
+        """A new run started from weights uses the source's tokenizer (copied into the run,
+        with its kind recorded in the spec) unless its spec names one: the ids must mean
+        the same tokens."""
+        from llmkit.data.tokenizer import Tokenizer
+
+        own = self.run_dir / TOKENIZER_FILE
+        if self.rs.spec.tokenizer.path is not None or init.tokenizer is None or own.exists():
+            return
+        for name in TOKENIZER_FILES:
+            src = init.tokenizer.parent / name
+            if src.is_file():
+                shutil.copyfile(src, self.run_dir / name)
+        kind = Tokenizer.load(own).kind
+        if kind != self.rs.spec.tokenizer.kind and kind in ("bpe", "char"):
+            self.rs = self.rs.with_settings({"tokenizer.kind": kind})
+        self.log(f"tokenizer: {init.tokenizer} (the init_from source's)")
 
     def _restore(self) -> None:
         """Resume from the latest checkpoint, or from the newest older one that is intact when

@@ -344,3 +344,23 @@ def test_accumulation_all_reduces_only_on_the_last_micro_step(tmp_path):
             assert len(calls) == (1 if micro == 2 else 0)
     finally:
         td.destroy_process_group()
+
+
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_a_job_started_from_weights_matches_one_process(reference, tmp_path, parallel):
+    """train.init_from under torchrun: every rank loads the source before wrapping, so the
+    job's losses match one process with the global batch started from the same weights."""
+    spec, ref = reference
+    common = ("--init-from", str(ref), "--max-steps", "4", *TRAIN)
+    one = tmp_path / "one"
+    ok(single("train", str(spec), "--out", str(one), *common, "--set", "train.batch_size=8"))
+    job = tmp_path / parallel
+    ok(
+        torchrun(
+            "train", str(spec), "--out", str(job), *common, "--set", f"train.parallel={parallel}"
+        )
+    )
+    train, _ = metrics(job)
+    ref_train, _ = metrics(ref)
+    assert_same(train, metrics(one)[0])
+    assert train[0][1] < ref_train[0][1] - 0.3  # it starts from the trained weights
