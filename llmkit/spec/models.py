@@ -129,10 +129,29 @@ class DataSpec(Strict):
         None, description="Where tokenized data is cached; default <run>/data."
     )
     num_proc: int = Field(1, ge=1, description="Processes for tokenization (datasets.map).")
-    sampling: Literal["packed", "random"] = Field(
+    sampling: Literal["packed", "random", "padded"] = Field(
         "packed",
         description="packed: every block once per epoch (grid shifted in later epochs); "
-        "random: windows starting anywhere, drawn independently (as nanoGPT).",
+        "random: windows starting anywhere, drawn independently (as nanoGPT); padded: one "
+        "document (conversation) per row, cut to the block and padded with ignored targets.",
+    )
+
+
+class DistillSpec(Strict):
+    """Knowledge distillation: the loss is α·T²·KL(softmax(teacher/T) ‖ softmax(student/T))
+    plus (1 − α) times the hard-label objective (Hinton et al. 2015)."""
+
+    teacher: str = Field(
+        min_length=1, description="The teacher: a run directory or a checkpoint inside one."
+    )
+    weights: Literal["final", "best", "latest"] = Field(
+        "final", description="Which of the teacher run's weights (a checkpoint names its own)."
+    )
+    temperature: float = Field(
+        2.5, gt=0, le=100, allow_inf_nan=False, description="Softens both distributions."
+    )
+    alpha: float = Field(
+        0.5, ge=0, le=1, allow_inf_nan=False, description="Weight of the distillation term."
     )
 
 
@@ -189,6 +208,9 @@ class TrainSpec(Strict):
         description="Start from these weights: a run directory, a checkpoint directory or a "
         ".safetensors file (never modified); the optimizer and schedule start fresh and the "
         "source's tokenizer is used unless tokenizer.path is set.",
+    )
+    distill: DistillSpec | None = Field(
+        None, description="Distil from a teacher run (train.distill.teacher); none = off."
     )
     init_resize_vocab: bool = Field(
         False,

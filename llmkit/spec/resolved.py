@@ -119,7 +119,8 @@ class ResolvedSpec:
             sub = getattr(spec, table, None)
             if sub is None or not name or name not in type(sub).model_fields:
                 raise ValueError(f"{path} is not a plain spec setting")
-            raw.setdefault(table, {})[name] = value
+            raw_value = value.model_dump(mode="json") if hasattr(value, "model_dump") else value
+            raw.setdefault(table, {})[name] = raw_value
             spec = spec.model_copy(update={table: sub.model_copy(update={name: value})})
         return dataclasses.replace(self, spec=spec, raw=raw)
 

@@ -29,12 +29,14 @@ LOSS_PREFIX = "loss"
 @dataclass
 class ObjectiveOutput:
     """One forward's objective (a mean per target, without auxiliary losses), the auxiliary
-    losses and metrics reported, and the model's cross-entropy where it was computed."""
+    losses and metrics reported, the model's cross-entropy where it was computed, and the
+    logits it was computed from."""
 
     loss: Tensor
     aux_losses: dict[str, Tensor] = field(default_factory=dict)
     metrics: dict[str, Any] = field(default_factory=dict)
     cross_entropy: Tensor | None = None
+    logits: Tensor | None = None
 
     @property
     def total(self) -> Tensor:
@@ -80,7 +82,7 @@ class Objective:
         objective is another loss (evaluation reports both)."""
         if self.loss is None:
             out = forward(x, y)
-            return ObjectiveOutput(out.loss, out.aux_losses, out.metrics, out.loss)
+            return ObjectiveOutput(out.loss, out.aux_losses, out.metrics, out.loss, out.logits)
         out = forward(x, y) if cross_entropy else forward(x)
         value = self.loss(out.logits, y)
         aux, metrics = dict(out.aux_losses), dict(out.metrics)
@@ -89,4 +91,4 @@ class Objective:
             losses, mets = pop()
             aux.update({f"{LOSS_PREFIX}.{k}": v for k, v in losses.items()})
             metrics.update({f"{LOSS_PREFIX}.{k}": v for k, v in mets.items()})
-        return ObjectiveOutput(value, aux, metrics, out.loss)
+        return ObjectiveOutput(value, aux, metrics, out.loss, out.logits)

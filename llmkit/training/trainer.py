@@ -24,6 +24,7 @@ from llmkit.runs.init_from import TOKENIZER_FILES, InitSource, find_init_source,
 from llmkit.spec import ResolvedSpec
 from llmkit.training import metrics as metrics_mod
 from llmkit.training import resume
+from llmkit.training.distill import Distillation, load_teacher, teacher_tokenizer
 from llmkit.training.metrics import MetricsLog
 from llmkit.training.objective import Objective
 from llmkit.training.progress import ProgressDisplay, StopSignals
@@ -104,9 +105,10 @@ class Trainer:
         strategy.check_precision(self.precision)
 
         init = self._init_source()  # before any data is read: a bad source fails at once
+        adopt = self._tokenizer_source(init)
         with strategy.main_first():  # rank 0 trains the tokenizer and tokenizes first
-            if init is not None and strategy.is_main:
-                self._adopt_tokenizer(init)
+            if adopt is not None and strategy.is_main:
+                self._adopt_tokenizer(adopt)
             data = prepare_data(self.rs, self.run_dir, log=self.log)
         self.data, self.tokenizer = data, data.tokenizer
         if self.tokenizer.vocab_size != self.rs.model.vocab_size:
@@ -156,7 +158,20 @@ class Trainer:
             self.lr_factor = sched.build(sched.options, total_steps=t.max_steps)
         except ValueError as exc:
             raise LlmkitError(f"schedule {sched.name!r}: {exc}") from exc
-        self.objective = Objective.from_spec(self.rs).to(self.device)
+        self.objective = Objective.from_spec(self.rs)
+        if t.distill is not None:
+            teacher = load_teacher(t.distill, self.tokenizer, self.device)
+            self.log(
+                f"distill: teacher {t.distill.teacher} (T {t.distill.temperature}, "
+                f"alpha {t.distill.alpha})"
+            )
+            self.objective = Distillation(
+                self.objective,
+                teacher,
+                temperature=t.distill.temperature,
+                alpha=t.distill.alpha,
+            )
+        self.objective.to(self.device)
         self.train_step = TrainStep(
             self.model,
             self.optimizer,
@@ -194,23 +209,44 @@ class Trainer:
         self.t = self.rs.spec.train
         return init
 
-    def _adopt_tokenizer(self, init: InitSource) -> None:
-        """A new run started from weights uses the source's tokenizer (copied into the run,
-        with its kind recorded in the spec) unless its spec names one: the ids must mean
-        the same tokens."""
+    def _tokenizer_source(self, init: InitSource | None) -> Path | None:
+        """The tokenizer a new run takes from elsewhere: the init_from source's, else the
+        distillation teacher's (whose path is made absolute in the run's spec); None when
+        the spec names one, when resuming, or when neither has one."""
+        distill = self.t.distill
+        if self.resume:
+            return None
+        teacher_tok = None
+        if distill is not None:
+            teacher_tok = teacher_tokenizer(distill)  # a bad teacher path fails here, early
+            teacher = str(Path(distill.teacher).expanduser().absolute())
+            self.rs = self.rs.with_settings(
+                {"train.distill": distill.model_copy(update={"teacher": teacher})}
+            )
+            self.t = self.rs.spec.train
+        if self.rs.spec.tokenizer.path is not None:
+            return None
+        if init is not None:
+            return init.tokenizer
+        return teacher_tok
+
+    def _adopt_tokenizer(self, source: Path) -> None:
+        """Use ``source`` as the run's tokenizer (copied into the run with its config, its
+        kind recorded in the spec): a run that starts from weights or learns from a teacher
+        must give ids the same meaning."""
         from llmkit.data.tokenizer import Tokenizer
 
         own = self.run_dir / TOKENIZER_FILE
-        if self.rs.spec.tokenizer.path is not None or init.tokenizer is None or own.exists():
+        if own.exists():
             return
         for name in TOKENIZER_FILES:
-            src = init.tokenizer.parent / name
+            src = source.parent / name
             if src.is_file():
                 shutil.copyfile(src, self.run_dir / name)
         kind = Tokenizer.load(own).kind
         if kind != self.rs.spec.tokenizer.kind and kind in ("bpe", "char"):
             self.rs = self.rs.with_settings({"tokenizer.kind": kind})
-        self.log(f"tokenizer: {init.tokenizer} (the init_from source's)")
+        self.log(f"tokenizer: {source}")
 
     def _restore(self) -> None:
         """Resume from the latest checkpoint, or from the newest older one that is intact when
