@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 from torch import Tensor, nn
 
 #: What the component of the spec table ``train.loss`` (the training objective's seam, read by
@@ -253,3 +253,38 @@ class QKTransform(nn.Module, ABC):
     @abstractmethod
     def forward(self, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
         """The transformed ``(q, k)``, of the same shapes and dtype."""
+
+
+class AdapterOptions(ComponentOptions):
+    """Options every adapter component has (its own ``Options`` subclass this): which linear
+    layers get an adapter, and which other parameters train (and are saved) beside them."""
+
+    targets: list[str] = Field(
+        default_factory=lambda: ["attn.qkv", "attn.out_proj"],
+        min_length=1,
+        description="Glob patterns over the dotted names of linear layers (a pattern may match "
+        "the end of a name: 'attn.qkv' is every layer's fused q/k/v projection; 'ffn.*', '*').",
+    )
+    also_train: list[str] = Field(
+        default_factory=list,
+        description="Glob patterns over parameter names that train in full beside the "
+        "adapters (e.g. 'tok_emb.weight' after a vocabulary resize, '*norm*').",
+    )
+
+
+class WeightAdapter(nn.Module, ABC):
+    """Base of adapters: ``Adapter(options, weight)`` for one linear layer's ``weight``
+    (out_features, in_features), registered as a ``torch.nn.utils.parametrize``
+    parametrization of it: ``forward(weight)`` returns the adapted weight (same shape and
+    dtype). The base weight is frozen; the adapter's own parameters are what trains and
+    what a run saves. Merging replaces the weight by ``forward(weight)`` once, so an
+    adapter must be a function of the weight alone (no dropout, no state)."""
+
+    def __init__(self, options: AdapterOptions, weight: Tensor) -> None:
+        super().__init__()
+        self.options = options
+        self.out_features, self.in_features = weight.shape
+
+    @abstractmethod
+    def forward(self, weight: Tensor) -> Tensor:
+        """The adapted weight."""

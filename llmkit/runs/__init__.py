@@ -123,14 +123,44 @@ def find_weights(path: Path, which: str = "final") -> tuple[Path, Path]:
     return run.dir, run.weights(which)
 
 
-def load_run(path: str | Path, which: str = "final", device: str = "cpu") -> LoadedRun:
-    """Rebuild the model of a run from its spec and load its weights and tokenizer."""
-    from llmkit.model import build_model
+ADAPTER_SECTION = "model.adapter"
 
+
+def build_run_model(rs: ResolvedSpec, *, base_weights: bool = True) -> Any:
+    """The model a run's spec describes: with ``model.adapter``, its base weights from
+    ``train.init_from`` (unless ``base_weights`` is False: the structure only) and the
+    adapters attached, base frozen. Returns ``(model, line)``, the line saying what the
+    adapters are (None without)."""
+    from llmkit.model import build_model
+    from llmkit.model.adapters import attach_adapters
+    from llmkit.runs.init_from import find_init_source, load_init_weights
+
+    model = build_model(rs)
+    adapter = rs.components.get(ADAPTER_SECTION)
+    if adapter is None:
+        return model, None
+    init_from = rs.spec.train.init_from
+    if init_from is None:
+        raise LlmkitError(
+            "model.adapter needs train.init_from: the base weights the adapters adapt"
+        )
+    if base_weights:
+        load_init_weights(
+            model,
+            find_init_source(init_from),
+            vocab_size=rs.model.vocab_size,
+            resize_vocab=rs.spec.train.init_resize_vocab,
+        )
+    return model, attach_adapters(model, adapter).line()
+
+
+def load_run(path: str | Path, which: str = "final", device: str = "cpu") -> LoadedRun:
+    """Rebuild the model of a run from its spec (a run with adapters: its base from
+    ``train.init_from``, then the adapters) and load its weights and tokenizer."""
     run = open_run(path)
     weights = run.weights(which)
     rs = run.resolve()
-    model = build_model(rs)
+    model, _ = build_run_model(rs)
     load_weights(model, weights)
     model.to(device).eval()
     return LoadedRun(rs, model, run.tokenizer(rs), weights, run.dir)

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_model, save_model
+from safetensors.torch import load_model, save_file, save_model
 from torch import nn
 
 from llmkit.errors import LlmkitError
@@ -50,10 +50,25 @@ def write_json_atomic(path: Path, data: Any) -> None:
     os.replace(tmp, path)
 
 
+#: safetensors metadata key marking a file that holds only a run's trainable adapter state.
+ADAPTER_MARK = "llmkit.adapters"
+
+
+def write_weights(model: nn.Module, path: Path) -> None:
+    """Weights to safetensors (tied tensors handled); for a model with adapters only its
+    trainable state (the adapters and ``also_train``), marked as such."""
+    from llmkit.model.adapters import has_adapters, trainable_state
+
+    if has_adapters(model):
+        save_file(trainable_state(model), str(path), metadata={ADAPTER_MARK: "1"})
+    else:
+        save_model(model, str(path))
+
+
 def save_weights(model: nn.Module, path: Path) -> None:
-    """Weights to safetensors (tied tensors handled), written atomically."""
+    """:func:`write_weights`, atomically."""
     tmp = path.with_name(f".{path.name}.tmp")
-    save_model(model, str(tmp))
+    write_weights(model, tmp)
     os.replace(tmp, path)
 
 
@@ -74,7 +89,20 @@ def _unreadable(exc: Exception) -> bool:
 
 def load_weights(model: nn.Module, path: Path) -> None:
     """Load a safetensors file into ``model``: :class:`DamagedCheckpoint` when the file cannot
-    be read, :class:`LlmkitError` when its tensors do not fit the model."""
+    be read, :class:`LlmkitError` when its tensors do not fit the model. A model with
+    adapters loads a file of its trainable state (:func:`write_weights`)."""
+    from llmkit.model.adapters import has_adapters, load_trainable_state
+
+    adapted = has_adapters(model)
+    if adapted or is_adapter_file(path):
+        if not (adapted and is_adapter_file(path)):
+            what = "adapter weights only" if not adapted else "full weights"
+            raise LlmkitError(
+                f"{path} holds {what}, which do not fit this model "
+                f"({'with' if adapted else 'without'} adapters)"
+            )
+        load_trainable_state(model, read_weights(path), str(path))
+        return
     shapes = weight_shapes(path)
     own = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     wrong = [k for k in shapes if k in own and shapes[k] != own[k]]
@@ -97,17 +125,33 @@ def load_weights(model: nn.Module, path: Path) -> None:
         )
 
 
-def weight_shapes(path: Path) -> dict[str, tuple[int, ...]]:
-    """Tensor shapes from a safetensors file's header (reads no tensor data)."""
+def is_adapter_file(path: Path) -> bool:
+    """Whether a safetensors file holds only a run's adapter state (:data:`ADAPTER_MARK`)."""
+    return bool(_header(path, lambda f: (f.metadata() or {}).get(ADAPTER_MARK)))
+
+
+def read_weights(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a safetensors file, on the CPU."""
+    return _header(path, lambda f: {k: f.get_tensor(k) for k in f.keys()})  # noqa: SIM118
+
+
+def _header(path: Path, read: Callable[[Any], Any]) -> Any:
+    """``read(f)`` of the open safetensors file; :class:`DamagedCheckpoint` when it cannot
+    be read."""
     if not path.is_file():
         raise DamagedCheckpoint(f"no weights at {path}")
     try:
         with safe_open(str(path), framework="pt") as f:
-            return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118
+            return read(f)
     except Exception as exc:
         if not _unreadable(exc):
             raise
         raise DamagedCheckpoint(f"{path}: unreadable weights ({_why(exc)})") from exc
+
+
+def weight_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """Tensor shapes from a safetensors file's header (reads no tensor data)."""
+    return _header(path, lambda f: {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()})  # noqa: SIM118
 
 
 def rng_state() -> dict[str, Any]:
@@ -184,7 +228,7 @@ class Checkpoints:
             torch.save(rank_state, tmp / rank_file(dist.rank if dist is not None else 0))
         if main:
             if model is not None:
-                save_model(model, str(tmp / WEIGHTS))
+                write_weights(model, tmp / WEIGHTS)
             torch.save(state, tmp / STATE)
             (tmp / META).write_text(json.dumps({"step": step, **meta}, indent=2) + "\n")
         _barrier(dist)  # every rank's files are in place

@@ -21,13 +21,12 @@ import torch
 from torch import nn
 
 from llmkit.errors import LlmkitError
-from llmkit.runs.checkpoints import DamagedCheckpoint, _unreadable, _why
+from llmkit.runs.checkpoints import ADAPTER_MARK, is_adapter_file, read_weights
 
 TOKENIZER_FILE = "tokenizer.json"
 #: The files that make a run's tokenizer (the vocabulary; the chat template and token roles).
 TOKENIZER_FILES = (TOKENIZER_FILE, "tokenizer_config.json")
-#: safetensors metadata key marking a file that holds only a run's adapter tensors.
-ADAPTER_MARK = "llmkit.adapters"
+__all__ = ["ADAPTER_MARK", "InitSource", "find_init_source", "load_init_weights"]
 
 
 @dataclass(frozen=True)
@@ -65,26 +64,13 @@ def find_init_source(path: str | Path) -> InitSource:
 
 
 def read_tensors(path: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a safetensors file, on the CPU; :class:`DamagedCheckpoint` when the
-    file cannot be read."""
-    from safetensors import safe_open
-
-    if not path.is_file():
-        raise DamagedCheckpoint(f"no weights at {path}")
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            if (f.metadata() or {}).get(ADAPTER_MARK):
-                raise LlmkitError(
-                    f"train.init_from: {path} holds only adapter weights; merge them into a "
-                    "full model first (llmkit merge-lora RUN OUT) and start from that"
-                )
-            return {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
-    except LlmkitError:
-        raise
-    except Exception as exc:
-        if not _unreadable(exc):
-            raise
-        raise DamagedCheckpoint(f"{path}: unreadable weights ({_why(exc)})") from exc
+    """Every tensor of a full weights file; refuses a file of adapter weights only."""
+    if is_adapter_file(path):
+        raise LlmkitError(
+            f"train.init_from: {path} holds only adapter weights; merge them into a full "
+            "model first (llmkit merge-lora RUN OUT) and start from that"
+        )
+    return read_weights(path)
 
 
 def _shape(t: torch.Tensor) -> tuple[int, ...]:

@@ -18,7 +18,16 @@ from torch import nn
 
 from llmkit import hardware
 from llmkit.errors import LlmkitError
-from llmkit.runs import METRICS_FILE, PLOT_FILE, SPEC_FILE, TOKENIZER_FILE, save_spec
+from llmkit.model.adapters import attach_adapters
+from llmkit.runs import (
+    ADAPTER_SECTION,
+    METRICS_FILE,
+    PLOT_FILE,
+    SPEC_FILE,
+    TOKENIZER_FILE,
+    build_run_model,
+    save_spec,
+)
 from llmkit.runs.checkpoints import Checkpoints, rng_state, save_weights
 from llmkit.runs.init_from import TOKENIZER_FILES, InitSource, find_init_source, load_init_weights
 from llmkit.spec import ResolvedSpec
@@ -137,7 +146,7 @@ class Trainer:
 
         torch.manual_seed(t.seed)  # the same initial weights on every rank
         self.model = build_model(self.rs).to(self.device)
-        if init is not None and not self.resume:  # a resumed run restores its own weights
+        if init is not None:  # (a resumed run restores its own weights: only a base here)
             self.log(
                 load_init_weights(
                     self.model,
@@ -146,6 +155,9 @@ class Trainer:
                     resize_vocab=t.init_resize_vocab,
                 )
             )
+        adapter = self.rs.components.get(ADAPTER_SECTION)
+        if adapter is not None:
+            self.log(attach_adapters(self.model, adapter).line())
         self.model.activation_checkpointing = t.activation_checkpointing
         wrapped = strategy.wrap(self.model, t, self.precision)
         line = strategy.describe(t.batch_size, t.grad_accum)
@@ -201,8 +213,13 @@ class Trainer:
 
     def _init_source(self) -> InitSource | None:
         """Where ``train.init_from`` points (made absolute in the run's spec); None without
-        one, or when resuming (the run's checkpoint holds the weights)."""
-        if self.t.init_from is None or self.resume:
+        one, or when resuming a run without adapters (its checkpoint holds all weights)."""
+        adapted = ADAPTER_SECTION in self.rs.components
+        if adapted and self.t.init_from is None:
+            raise LlmkitError(
+                "model.adapter needs train.init_from: the base weights the adapters adapt"
+            )
+        if self.t.init_from is None or (self.resume and not adapted):
             return None
         init = find_init_source(self.t.init_from)
         self.rs = self.rs.with_settings({"train.init_from": str(init.path)})
@@ -474,9 +491,9 @@ class Trainer:
 
     def _full_model(self) -> nn.Module | None:
         """The whole model with current weights on rank 0 (None elsewhere)."""
-        from llmkit.model import build_model
-
-        return self.strategy.full_model(self.model, lambda: build_model(self.rs))
+        return self.strategy.full_model(
+            self.model, lambda: build_run_model(self.rs, base_weights=False)[0]
+        )
 
     def _maybe_plot(self, history: list[dict[str, Any]], final: bool) -> None:
         """Redraw the loss curve at a checkpoint at most every ``PLOT_EVERY_S`` seconds."""

@@ -1,0 +1,1 @@
+"""Adapters for parameter-efficient fine-tuning (the ``adapter`` kind, ``model.adapter``)."""
