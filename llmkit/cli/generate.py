@@ -1,4 +1,6 @@
-"""``llmkit generate``: text from a trained run, batched, streamed or interactive."""
+"""``llmkit generate``: text from a trained run, batched, streamed or interactive; with
+``--chat``, replies of a chat model (its run's chat template), one message or a
+conversation read line by line."""
 
 from __future__ import annotations
 
@@ -57,6 +59,15 @@ def configure_generate(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--interactive", action="store_true", help="read prompts from stdin until EOF or `exit`"
     )
+    p.add_argument(
+        "--chat",
+        nargs="?",
+        const="",
+        metavar="MESSAGE",
+        help="reply to MESSAGE as the run's chat model (its chat template; stops at the end "
+        "of the turn); without MESSAGE, a conversation: one user turn per line of stdin",
+    )
+    p.add_argument("--system", metavar="TEXT", help="--chat: a system message first")
     p.add_argument("--quantize", choices=["int8"], help="int8 weights (smaller; CPU: faster)")
     p.add_argument("--device", default="cpu", help="cpu (default), cuda, mps or auto")
     p.add_argument("--json", action="store_true", help="print text, ids and finish reasons")
@@ -129,18 +140,99 @@ def _interactive(gen: Any, sampling: Any, stream: bool) -> int:
     return 0
 
 
+def chat_sampling(tokenizer: Any, sampling: Any) -> Any:
+    """``sampling`` stopping at the end of the assistant's turn (and at the EOS)."""
+    if sampling.ignore_eos or sampling.eos_id is not None:
+        return sampling
+    return dataclasses.replace(sampling, eos_id=tokenizer.stop_ids)
+
+
+def chat_reply(gen: Any, messages: list[dict[str, str]], sampling: Any, stream: bool) -> Any:
+    """The assistant's reply to ``messages`` (a :class:`GenerationResult`), printed as it
+    comes with ``stream``; its text without the spaces around it."""
+    ids = gen.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    if not (stream and sampling.num_beams == 1):
+        result = gen.generate([ids], sampling)[0]
+        return dataclasses.replace(result, text=result.text.strip())
+    started = False
+    stream_ = gen.stream(ids, sampling)
+    for piece in stream_:
+        if not started:
+            piece = piece.lstrip()
+            started = bool(piece)
+        write(piece)
+    write("\n")
+    result = stream_.result
+    return dataclasses.replace(result, text=result.text.strip())
+
+
+def _chat(gen: Any, args: argparse.Namespace, sampling: Any, where: str) -> int:
+    """``--chat``: one reply to the message given, or a conversation from stdin (one user
+    turn per line until EOF or `exit`), each reply joining the history."""
+    tokenizer = gen.tokenizer
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise LlmkitError(
+            f"{where}: the run has no chat template (tokenizer_config.json); train it on chat "
+            "data (data.source.name = 'chat') or use --prompt"
+        )
+    sampling = chat_sampling(tokenizer, sampling)
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    stream = args.stream and not args.json
+    if args.chat:
+        messages.append({"role": "user", "content": args.chat})
+        result = chat_reply(gen, messages, sampling, stream)
+        if args.json:
+            out = {
+                "messages": messages,
+                "reply": result.text,
+                "ids": result.ids,
+                "finish_reason": result.finish_reason,
+            }
+            write(json.dumps(out, ensure_ascii=False) + "\n")
+        elif not stream:
+            write(result.text + "\n")
+        return 0
+    tty = sys.stdin.isatty()
+    if tty:
+        sys.stderr.write("llmkit generate --chat: one message per line; `exit` or Ctrl-D ends\n")
+    while True:
+        if tty:
+            sys.stderr.write("you> ")
+            sys.stderr.flush()
+        line = sys.stdin.readline()
+        if not line:
+            break
+        text = line.rstrip("\r\n")
+        if text.strip() in ("exit", "quit"):
+            break
+        if not text.strip():
+            continue
+        messages.append({"role": "user", "content": text})
+        result = chat_reply(gen, messages, sampling, stream)
+        if not stream:
+            write(result.text + "\n")
+        messages.append({"role": "assistant", "content": result.text})
+    return 0
+
+
 def run_generate(args: argparse.Namespace) -> int:
     from llmkit import hardware
     from llmkit.inference import Generator
     from llmkit.runs import load_run
 
     sampling = sampling_from_args(args)
+    if args.chat is not None and (args.prompt or args.interactive):
+        raise LlmkitError("--chat takes the place of --prompt and --interactive; use one")
+    if args.system is not None and args.chat is None:
+        raise LlmkitError("--system goes with --chat")
     device = hardware.choose_device(args.device)
     run = load_run(args.run, which=args.weights, device=str(device))
     try:
         gen = Generator(run, quantize=args.quantize)
     except ValueError as exc:
         raise LlmkitError(str(exc)) from exc
+    if args.chat is not None:
+        return _chat(gen, args, sampling, str(run.run_dir))
     if args.interactive:
         return _interactive(gen, sampling, args.stream)
     prompts = args.prompt or [""]

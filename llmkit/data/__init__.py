@@ -11,6 +11,11 @@ is never tokenized twice.
 ``block_size + 1`` tokens and visits them in a seeded per-epoch order, resumably and
 sharded across ranks; :func:`eval_batches` yields the same evenly spaced validation blocks
 at every evaluation.
+
+Chat data (a source with ``chat_format()``, see ``docs/chat-data.md``) is rendered with its
+template (:mod:`llmkit.data.chat`) and written with a loss mask and document offsets beside
+the ids; every sampler then gives targets of -100 outside the assistant's turns, and
+:class:`PaddedSampler` (``data.sampling = "padded"``) gives one conversation per row.
 """
 
 from llmkit.data.prepare import (
@@ -18,23 +23,38 @@ from llmkit.data.prepare import (
     PreparedData,
     count_text_bytes,
     data_key,
+    iter_chat_texts,
     iter_texts,
     prepare_data,
+    tokenize_chat_split,
     tokenize_split,
 )
 from llmkit.data.samplers import (
+    IGNORE,
     BlockSampler,
+    PaddedSampler,
     RandomWindowSampler,
     count_blocks,
     eval_batches,
+    eval_rows,
     make_sampler,
+    padded_examples,
 )
-from llmkit.data.tokens import FORMAT_VERSION, TokenFile, sidecar, token_dtype, write_token_file
+from llmkit.data.tokens import (
+    FORMAT_VERSION,
+    TokenFile,
+    sidecar,
+    token_dtype,
+    write_masked_token_file,
+    write_token_file,
+)
 
 __all__ = [
     "FORMAT_VERSION",
+    "IGNORE",
     "SPLITS",
     "BlockSampler",
+    "PaddedSampler",
     "PreparedData",
     "RandomWindowSampler",
     "TokenFile",
@@ -42,11 +62,16 @@ __all__ = [
     "count_text_bytes",
     "data_key",
     "eval_batches",
+    "eval_rows",
+    "iter_chat_texts",
     "iter_texts",
     "make_sampler",
+    "padded_examples",
     "prepare_data",
     "sidecar",
     "token_dtype",
+    "tokenize_chat_split",
     "tokenize_split",
+    "write_masked_token_file",
     "write_token_file",
 ]

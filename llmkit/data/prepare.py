@@ -1,6 +1,11 @@
 """From a corpus source to token files: build the source, train (or load) the tokenizer,
 tokenize each split once with ``datasets.map`` and stream the ids into a token file whose
-name hashes the source, its input files, the seed and the tokenizer."""
+name hashes the source, its input files, the seed and the tokenizer.
+
+A source with a ``chat_format()`` (chat data, :mod:`llmkit.data.chat`) gives conversations
+instead of plain text: its template's special tokens join the tokenizer's, the tokenizer
+carries the template into the run (``tokenizer_config.json``), and each split is written
+with a loss mask and document offsets beside the ids."""
 
 from __future__ import annotations
 
@@ -13,14 +18,23 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from llmkit.data.tokenizer import Tokenizer, build_tokenizer
-from llmkit.data.tokens import FORMAT_VERSION, TokenFile, _reusable, token_dtype, write_token_file
+from llmkit.data.chat import ChatEncoder, ChatTemplateError
+from llmkit.data.samplers import padded_examples, trainable_blocks
+from llmkit.data.tokenizer import UNK, Tokenizer, build_tokenizer
+from llmkit.data.tokens import (
+    FORMAT_VERSION,
+    TokenFile,
+    _reusable,
+    token_dtype,
+    write_masked_token_file,
+    write_token_file,
+)
 from llmkit.errors import LlmkitError
 
 if TYPE_CHECKING:
     import datasets
 
-    from llmkit.spec import ResolvedSpec
+    from llmkit.spec import ResolvedSpec, TokenizerSpec
 
 SPLITS = ("train", "validation")
 _MAP_BATCH = 256  # documents per tokenization batch
@@ -55,19 +69,25 @@ def prepare_data(
     seed = spec.train.seed
     source = rs.dataset.build(rs.dataset.options)
     splits = source.splits(seed)
-    _check_splits(splits, rs.dataset.name)
+    chat_format = getattr(source, "chat_format", None)
+    chat = chat_format() if callable(chat_format) else None
+    _check_splits(splits, rs.dataset.name, chat is not None)
     description = source.describe()
     log(f"data: {description}")
 
+    tok_spec = spec.tokenizer if chat is None else _with_tokens(spec.tokenizer, chat)
     if tokenizer is None:
-        tokenizer = build_tokenizer(
-            spec.tokenizer,
-            lambda: iter_texts(splits["train"], seed),
-            run_dir / "tokenizer.json",
-            spec.model.vocab_size,
-            log=log,
+        texts = (
+            (lambda: iter_texts(splits["train"], seed))
+            if chat is None
+            else (lambda: iter_chat_texts(splits["train"], seed, chat, tok_spec))
         )
-    if tokenizer.eos_id is None:
+        tokenizer = build_tokenizer(
+            tok_spec, texts, run_dir / "tokenizer.json", spec.model.vocab_size, log=log
+        )
+    if chat is not None:
+        _attach_template(tokenizer, chat, run_dir, log)
+    elif tokenizer.eos_id is None:
         log("data: the tokenizer has no special token; documents are joined without separator")
 
     fingerprint = getattr(source, "fingerprint", None)
@@ -83,26 +103,153 @@ def prepare_data(
             files[split] = TokenFile(path)
             log(f"data: {split}: {len(files[split]):,} tokens (cached {path.name})")
             continue
-        files[split] = tokenize_split(
-            splits[split], tokenizer, path, num_proc=spec.data.num_proc, meta={"key": key}
-        )
+        if chat is None:
+            files[split] = tokenize_split(
+                splits[split], tokenizer, path, num_proc=spec.data.num_proc, meta={"key": key}
+            )
+        else:
+            files[split] = tokenize_chat_split(
+                splits[split], tokenizer, chat, path, num_proc=spec.data.num_proc, meta={"key": key}
+            )
         tf = files[split]
         log(f"data: {split}: {len(tf):,} tokens from {tf.n_bytes_text:,} bytes -> {path}")
     if len(files["train"]) == 0:
         raise LlmkitError(f"data.source: {description}: the training split has no text")
+    block_size = spec.data.block_size or rs.model.max_seq_len
+    for tf in files.values():
+        tf.layout = "padded" if spec.data.sampling == "padded" else "packed"
+    if files["train"].has_mask or spec.data.sampling == "padded":
+        for split, tf in files.items():
+            _describe_rows(tf, split, block_size, log)
     return PreparedData(tokenizer, files["train"], files["validation"], description, cache_dir, key)
 
 
-def _check_splits(splits: Any, name: str) -> None:
+def _with_tokens(spec: TokenizerSpec, chat: Any) -> TokenizerSpec:
+    """The tokenizer spec with the chat template's special tokens after its own (the first
+    one stays the document separator)."""
+    tokens = list(dict.fromkeys([*spec.special_tokens, *chat.special_tokens]))
+    return spec.model_copy(update={"special_tokens": tokens})
+
+
+def _template_tokens(spec: TokenizerSpec, chat: Any) -> dict[str, str | None]:
+    """The template's token variables before the tokenizer exists (as
+    :meth:`Tokenizer.template_tokens` gives them after)."""
+    eos = spec.special_tokens[0] if spec.special_tokens else None
+    return {"eos_token": chat.end_of_turn or eos, "pad_token": eos}
+
+
+def iter_chat_texts(
+    ds: datasets.Dataset, seed: int, chat: Any, spec: TokenizerSpec
+) -> Iterator[str]:
+    """The conversations of ``ds`` rendered with the template, special tokens removed (the
+    tokenizer adds those itself), in a seeded shuffled order: what a tokenizer learns from."""
+    from llmkit.data.chat import render
+
+    tokens = _template_tokens(spec, chat)
+    ds = ds.select_columns(["messages", "where"]).shuffle(seed=seed, keep_in_memory=True)
+    for batch in ds.iter(batch_size=_WRITE_BATCH):
+        for conv, where in zip(batch["messages"], batch["where"]):
+            try:
+                text = render(chat.template, json.loads(conv), tokens=tokens)
+            except ChatTemplateError as exc:
+                raise ChatTemplateError(f"{where}: {exc}") from None
+            for special in spec.special_tokens:
+                text = text.replace(special, "")
+            if text:
+                yield text
+
+
+def _attach_template(
+    tokenizer: Tokenizer, chat: Any, run_dir: Path, log: Callable[[str], None]
+) -> None:
+    """Check the tokenizer has every token the template needs, give it the template and
+    write the run's ``tokenizer_config.json``."""
+    where = f"data.source.template {chat.name!r}"
+    for token in chat.special_tokens:
+        if tokenizer.token_to_id(token) is None:
+            raise LlmkitError(
+                f"{where} needs the token {token!r}, which the tokenizer lacks (it is added "
+                "only when a tokenizer is trained); use template 'plain' with this tokenizer"
+            )
+    end = chat.end_of_turn
+    if end is None and tokenizer.eos_id is None:
+        raise LlmkitError(
+            f"{where} ends turns with the tokenizer's EOS, but the tokenizer has no special "
+            "token: add one to tokenizer.special_tokens or set data.source.end_of_turn"
+        )
+    if end is not None and tokenizer.token_to_id(end) is None:
+        raise LlmkitError(
+            f"data.source.end_of_turn {end!r} is not a token of the tokenizer; list it in "
+            "data.source.special_tokens"
+        )
+    tokenizer.chat_template, tokenizer.end_of_turn = chat.template, end
+    path = tokenizer.save_config(run_dir)
+    log(f"data: chat template {chat.name} -> {path}")
+    if _template_has_unknown_text(tokenizer, chat.template):
+        log(
+            f"data: warning: the tokenizer has no token for some text of template {chat.name!r} "
+            f"(it becomes {UNK}); a tokenizer trained on this data would have them"
+        )
+
+
+def _template_has_unknown_text(tokenizer: Tokenizer, template: str) -> bool:
+    """Whether the template's own text (a turn of each role, empty) holds characters a
+    char tokenizer does not know."""
+    from llmkit.data.chat import ROLES, render
+
+    unk = tokenizer.token_to_id(UNK)
+    if unk is None:
+        return False
+    turns = [{"role": role, "content": ""} for role in ROLES]
+    try:
+        text = render(
+            template, turns, add_generation_prompt=True, tokens=tokenizer.template_tokens()
+        )
+    except ChatTemplateError:  # a template may refuse this made-up conversation
+        return False
+    return unk in tokenizer.encode(text)
+
+
+def _describe_rows(tf: TokenFile, split: str, block_size: int, log: Callable[[str], None]) -> None:
+    """Log what a split gives under its layout; an error when it gives no trained row."""
+    from llmkit.data.samplers import _bounds_of
+
+    mask = tf.mask
+    if tf.layout == "padded":
+        bounds = _bounds_of(tf, None, f"{split} split")
+        used, cut, left = padded_examples(bounds, mask, block_size)
+        n = len(bounds) - 1
+        note = f"data: {split}: {n:,} documents, one per row of {block_size} tokens"
+        if cut:
+            note += f"; {cut:,} longer than the row are truncated"
+        if left:
+            note += f"; {left:,} without a trained token in their row are skipped"
+        log(note)
+        if len(used) == 0:
+            raise LlmkitError(
+                f"{split} split: no document has a trained token within its first "
+                f"{block_size + 1} tokens (data.block_size)"
+            )
+    elif mask is not None:
+        trained = int(np.count_nonzero(mask))
+        log(f"data: {split}: {trained:,} of {len(tf):,} tokens are trained targets")
+        n_blocks = (len(tf) - 1) // block_size
+        if n_blocks and len(trainable_blocks(mask, 0, n_blocks, block_size)) == 0:
+            raise LlmkitError(f"{split} split: no block of {block_size} tokens has a trained token")
+
+
+def _check_splits(splits: Any, name: str, chat: bool = False) -> None:
+    columns = ("messages", "where") if chat else ("text",)
     for split in SPLITS:
         if split not in splits:
             have = ", ".join(splits) if hasattr(splits, "keys") else type(splits).__name__
             raise LlmkitError(f"dataset source {name!r} gave no {split!r} split (got {have})")
-        if "text" not in splits[split].column_names:
-            cols = ", ".join(splits[split].column_names)
-            raise LlmkitError(
-                f"dataset source {name!r}: the {split} split has no 'text' column ({cols})"
-            )
+        for column in columns:
+            if column not in splits[split].column_names:
+                cols = ", ".join(splits[split].column_names)
+                raise LlmkitError(
+                    f"dataset source {name!r}: the {split} split has no {column!r} column ({cols})"
+                )
 
 
 def data_key(source: dict[str, Any], seed: int, fingerprint: str, tokenizer: Tokenizer) -> str:
@@ -215,6 +362,71 @@ def tokenize_split(
 
     write_token_file(chunks(), path, dtype, info)  # reads info once chunks are exhausted
     for cached in path.parent.glob(f"{arrow.stem}*.arrow"):  # the ids live in the .bin now
+        cached.unlink(missing_ok=True)
+    return TokenFile(path)
+
+
+def tokenize_chat_split(
+    ds: datasets.Dataset,
+    tokenizer: Tokenizer,
+    chat: Any,
+    path: str | Path,
+    *,
+    num_proc: int = 1,
+    meta: dict[str, Any] | None = None,
+) -> TokenFile:
+    """Tokenize the conversations of ``ds`` once (``datasets.map``, its cache beside
+    ``path``), each rendered with the chat template, and stream the ids, their loss mask
+    and the conversations' offsets into ``path`` and the files beside it."""
+    import datasets
+    import pyarrow.compute as pc
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    seq = getattr(datasets, "List", None) or datasets.Sequence
+    features = datasets.Features(
+        {
+            "ids": seq(datasets.Value("int32")),
+            "mask": seq(datasets.Value("uint8")),
+            "n_bytes": datasets.Value("int64"),
+        }
+    )
+    arrow = path.with_suffix(".arrow")
+    procs = min(num_proc, max(len(ds), 1))
+    encoder = ChatEncoder(
+        tokenizer.to_str(), chat.template, tokenizer.template_tokens(), chat.mask_prompt
+    )
+    tokenized = ds.map(
+        encoder,
+        batched=True,
+        batch_size=_MAP_BATCH,
+        input_columns=["messages", "where"],
+        remove_columns=ds.column_names,
+        features=features,
+        num_proc=procs if procs > 1 else None,
+        cache_file_name=str(arrow),
+        new_fingerprint=f"llmkit-{path.stem}",
+        desc=f"tokenizing {path.stem.split('-')[0]}",
+    )
+    info: dict[str, Any] = {
+        **(meta or {}),
+        "n_bytes_text": 0,
+        "vocab_size": tokenizer.vocab_size,
+        "eos_id": tokenizer.eos_id,
+        "format": FORMAT_VERSION,
+    }
+
+    def chunks() -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        for table in tokenized.with_format("arrow").iter(batch_size=_WRITE_BATCH):
+            info["n_bytes_text"] += int(pc.sum(table.column("n_bytes")).as_py() or 0)
+            ids = pc.list_flatten(table.column("ids")).to_numpy()
+            mask = pc.list_flatten(table.column("mask")).to_numpy()
+            lengths = pc.list_value_length(table.column("ids")).to_numpy()
+            yield ids, mask, lengths
+
+    dtype = token_dtype(tokenizer.vocab_size)
+    write_masked_token_file(chunks(), path, dtype, info)
+    for cached in path.parent.glob(f"{arrow.stem}*.arrow"):
         cached.unlink(missing_ok=True)
     return TokenFile(path)
 

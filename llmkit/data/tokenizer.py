@@ -6,6 +6,10 @@ objects saved as a single ``tokenizer.json``.
 * :func:`train_char` — one id per character seen in the corpus, sorted, so the ids match
   nanoGPT's ``stoi`` (special tokens come after the characters; ``<unk>`` last).
 * :func:`build_tokenizer` — what a run does: use a given file, reuse the run's file, or train.
+
+A tokenizer may carry a chat template (:meth:`Tokenizer.apply_chat_template`), saved beside
+``tokenizer.json`` as a Hugging Face ``tokenizer_config.json`` (``chat_template``; its
+``eos_token`` is the token that ends an assistant turn, where generation stops).
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import json
 import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from llmkit.errors import LlmkitError
 
@@ -25,6 +29,8 @@ if TYPE_CHECKING:
 
 Kind = Literal["bpe", "char", "pretrained"]
 UNK = "<unk>"
+#: The Hugging Face file beside tokenizer.json that holds the chat template.
+CONFIG_FILE = "tokenizer_config.json"
 #: The smallest byte-level BPE vocabulary: one token per byte.
 N_BYTES = 256
 
@@ -34,14 +40,28 @@ class Tokenizer:
 
     ``encode`` never adds special tokens (no BOS/CLS post-processing) and ``decode`` keeps
     them by default, so ``decode(encode(x)) == x`` for any text the tokenizer can represent.
+
+    ``chat_template`` (a Jinja2 string, as Hugging Face's) and ``end_of_turn`` (the token
+    ending an assistant turn; default the EOS) are set for chat models; ``bos_token`` is
+    what a template's ``bos_token`` renders as (a Hugging Face config's; default none).
     """
 
     def __init__(
-        self, tok: tokenizers.Tokenizer, kind: Kind | None = None, eos_token: str | None = None
+        self,
+        tok: tokenizers.Tokenizer,
+        kind: Kind | None = None,
+        eos_token: str | None = None,
+        *,
+        chat_template: str | None = None,
+        end_of_turn: str | None = None,
+        bos_token: str | None = None,
     ) -> None:
         self.tok = tok
         self.kind: Kind = kind or _infer_kind(tok)
         self._eos_token = eos_token
+        self.chat_template = chat_template
+        self.end_of_turn = end_of_turn
+        self.bos_token = bos_token
 
     # -- encoding ----------------------------------------------------------------------
 
@@ -86,6 +106,83 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self.tok.token_to_id(token)
 
+    @property
+    def eos_token(self) -> str | None:
+        """The text of the EOS token, if there is one."""
+        i = self.eos_id
+        return None if i is None else self.tok.id_to_token(i)
+
+    # -- chat --------------------------------------------------------------------------
+
+    @property
+    def end_of_turn_id(self) -> int | None:
+        """The id ending an assistant turn: ``end_of_turn``'s, else the EOS."""
+        if self.end_of_turn is not None:
+            return self.tok.token_to_id(self.end_of_turn)
+        return self.eos_id
+
+    @property
+    def stop_ids(self) -> list[int]:
+        """The ids a chat reply stops at: the end of turn and the EOS."""
+        return sorted({i for i in (self.end_of_turn_id, self.eos_id) if i is not None})
+
+    def template_tokens(self) -> dict[str, str | None]:
+        """The special-token variables a chat template is rendered with: ``eos_token`` is
+        the end of turn (as in Hugging Face configs), ``pad_token`` the EOS."""
+        return {
+            "eos_token": self.end_of_turn or self.eos_token,
+            "pad_token": self.eos_token,
+            "bos_token": self.bos_token,
+        }
+
+    def apply_chat_template(
+        self,
+        messages: Sequence[dict[str, str]],
+        *,
+        add_generation_prompt: bool = True,
+        tokenize: bool = True,
+    ) -> list[int] | str:
+        """``messages`` (``{"role", "content"}`` dicts) rendered with the chat template,
+        followed by the assistant's generation prompt: the ids (``tokenize``) or the
+        text. A one-line error when the tokenizer has no template."""
+        from llmkit.data.chat import check_messages, render
+
+        if not self.chat_template:
+            raise LlmkitError(
+                "the tokenizer has no chat template (train on a chat dataset, "
+                "data.source.name = 'chat', or add one to tokenizer_config.json)"
+            )
+        text = render(
+            self.chat_template,
+            check_messages(messages),
+            add_generation_prompt=add_generation_prompt,
+            tokens=self.template_tokens(),
+        )
+        return self.encode(text) if tokenize else text
+
+    def config(self) -> dict[str, Any]:
+        """The Hugging Face ``tokenizer_config.json`` content for the chat template."""
+        return {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "chat_template": self.chat_template,
+            "eos_token": self.end_of_turn or self.eos_token,
+            "pad_token": self.eos_token,
+            "bos_token": self.bos_token,
+            "clean_up_tokenization_spaces": False,
+        }
+
+    def save_config(self, directory: str | Path) -> Path | None:
+        """Write ``tokenizer_config.json`` into ``directory`` when there is a chat template
+        (atomically; unchanged content is not rewritten); its path, or None."""
+        if not self.chat_template:
+            return None
+        path = Path(directory) / CONFIG_FILE
+        text = json.dumps(self.config(), indent=2, ensure_ascii=False) + "\n"
+        if path.is_file() and path.read_text(encoding="utf-8") == text:
+            return path
+        _write_atomic(path, text)
+        return path
+
     # -- files -------------------------------------------------------------------------
 
     def to_str(self) -> str:
@@ -93,12 +190,11 @@ class Tokenizer:
         return self.tok.to_str()
 
     def save(self, path: str | Path) -> None:
-        """Write tokenizer.json atomically (a temp file, then a rename)."""
+        """Write tokenizer.json atomically (a temp file, then a rename), and the chat
+        template's ``tokenizer_config.json`` beside it if there is one."""
         path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(self.to_str(), encoding="utf-8")
-        os.replace(tmp, path)
+        _write_atomic(path, self.to_str())
+        self.save_config(path.parent)
 
     @classmethod
     def load(
@@ -117,10 +213,46 @@ class Tokenizer:
         except Exception as exc:
             first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             raise LlmkitError(f"{p}: not a valid tokenizer.json ({first})") from exc
-        return cls(tok, kind, eos_token)
+        template, end, bos = read_config(p.parent / CONFIG_FILE)
+        return cls(tok, kind, eos_token, chat_template=template, end_of_turn=end, bos_token=bos)
 
     def __repr__(self) -> str:
         return f"Tokenizer(kind={self.kind!r}, vocab_size={self.vocab_size}, eos_id={self.eos_id})"
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def read_config(path: Path) -> tuple[str | None, str | None, str | None]:
+    """The chat template, the end-of-turn token (its ``eos_token``) and the ``bos_token``
+    of a Hugging Face ``tokenizer_config.json``; all None when there is no file."""
+    if not path.is_file():
+        return None, None, None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise LlmkitError(f"{path}: not a valid JSON file ({exc})") from exc
+    if not isinstance(data, dict):
+        raise LlmkitError(f"{path}: expected a JSON object")
+    template = data.get("chat_template")
+    if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default", next(iter(named.values()), None))
+    if template is not None and not isinstance(template, str):
+        raise LlmkitError(f"{path}: chat_template must be a string")
+    eos, bos = (_token_text(data.get(name)) for name in ("eos_token", "bos_token"))
+    return template or None, eos, bos
+
+
+def _token_text(value: Any) -> str | None:
+    """A config's token: a string, or a serialized AddedToken's ``content``."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) and value else None
 
 
 def _infer_kind(tok: tokenizers.Tokenizer) -> Kind:

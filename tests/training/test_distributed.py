@@ -364,3 +364,35 @@ def test_a_job_started_from_weights_matches_one_process(reference, tmp_path, par
     ref_train, _ = metrics(ref)
     assert_same(train, metrics(one)[0])
     assert train[0][1] < ref_train[0][1] - 0.3  # it starts from the trained weights
+
+
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_a_job_with_adapters_matches_one_process(reference, tmp_path, parallel):
+    """LoRA under DDP and FSDP: frozen base, adapters averaged across ranks like any
+    gradient, and the saved adapters load on one process."""
+    spec, ref = reference
+    common = (
+        "--init-from",
+        str(ref),
+        "--max-steps",
+        "4",
+        *TRAIN,
+        "--set",
+        "model.adapter.name=lora",
+        "--set",
+        "model.adapter.rank=4",
+    )
+    one = tmp_path / "one"
+    ok(single("train", str(spec), "--out", str(one), *common, "--set", "train.batch_size=8"))
+    job = tmp_path / parallel
+    ok(
+        torchrun(
+            "train", str(spec), "--out", str(job), *common, "--set", f"train.parallel={parallel}"
+        )
+    )
+    assert_same(metrics(job)[0], metrics(one)[0])
+    ev = json.loads(ok(single("eval", str(job), "--json")).stdout)
+    ev_one = json.loads(ok(single("eval", str(one), "--json")).stdout)
+    assert abs(ev["loss"] - ev_one["loss"]) <= TOL
+    gen = ok(single("generate", str(job), "--prompt", "the ", "--max-new-tokens", "4"))
+    assert gen.stdout.strip().startswith("the ")

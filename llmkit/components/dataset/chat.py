@@ -1,0 +1,289 @@
+"""Instruction and chat data: JSON Lines files (or JSON arrays) of conversations, rendered
+with a chat template and trained on the assistant's turns only.
+
+A record is either ``{"prompt": ..., "response": ...}`` (optional ``"system"``) or
+``{"messages": [{"role": "system" | "user" | "assistant", "content": ...}, ...]}``; other
+keys are ignored. Each split is a dataset with a ``messages`` column (the conversation as
+JSON), a ``where`` column (``file:line``, for errors) and a ``text`` column (the contents,
+for the plain-text contract); :meth:`ChatSource.chat_format` tells the data pipeline how to
+render, mask and tokenize them.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from pydantic import Field, field_validator
+
+from llmkit.components.dataset import (
+    FileSource,
+    FileSourceOptions,
+    dataset_dict,
+    read_utf8,
+    seeded_split,
+    text_dataset,
+)
+from llmkit.errors import LlmkitError
+
+if TYPE_CHECKING:
+    import datasets
+
+ROLES = ("system", "user", "assistant")
+
+
+@dataclass(frozen=True)
+class ChatFormat:
+    """How conversations become tokens: the Jinja2 ``template``, the ``special_tokens`` it
+    needs in the tokenizer (added when the tokenizer is trained), the token that ends an
+    assistant turn (None: the tokenizer's EOS), and whether only the assistant's tokens are
+    trained on."""
+
+    name: str
+    template: str
+    special_tokens: tuple[str, ...] = ()
+    end_of_turn: str | None = None
+    mask_prompt: bool = True
+
+
+#: ``User:``/``Assistant:`` markers, each assistant turn ended by the tokenizer's EOS (the
+#: spec's first special token): needs no new token, so it fits any base tokenizer.
+PLAIN = ChatFormat(
+    "plain",
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' %}{{ 'System: ' + message['content'] + '\\n' }}"
+    "{% elif message['role'] == 'user' %}{{ 'User: ' + message['content'] + '\\n' }}"
+    "{% elif message['role'] == 'assistant' %}"
+    "{{ 'Assistant: ' + message['content'] + eos_token }}"
+    "{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}",
+)
+#: ChatML (``<|im_start|>role\n...<|im_end|>\n``), as Qwen and others use it.
+CHATML = ChatFormat(
+    "chatml",
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}",
+    ("<|im_start|>", "<|im_end|>"),
+    "<|im_end|>",
+)
+TEMPLATES = {f.name: f for f in (PLAIN, CHATML)}
+
+
+def _is_jinja(template: str) -> bool:
+    return "{{" in template or "{%" in template
+
+
+class Options(FileSourceOptions):
+    """Options of the chat source."""
+
+    val_fraction: float = Field(
+        0.05, gt=0, lt=1, description="Share of records held out (seeded) without val_paths."
+    )
+    template: str = Field(
+        "plain",
+        min_length=1,
+        description="A built-in template (plain: User:/Assistant: markers, turns ended by "
+        "the EOS; chatml: <|im_start|>/<|im_end|>) or a Jinja2 chat template as in Hugging "
+        "Face's tokenizer_config.json.",
+    )
+    mask_prompt: bool = Field(
+        True, description="Train only on the assistant's tokens (others get target -100)."
+    )
+    special_tokens: list[str] = Field(
+        default_factory=list,
+        description="More special tokens the template uses, added when the tokenizer is "
+        "trained (a Jinja template's own tokens; the built-ins add theirs).",
+    )
+    end_of_turn: str | None = Field(
+        None,
+        min_length=1,
+        description="The token ending an assistant turn, where generation stops; default "
+        "the template's (plain: the EOS, chatml: <|im_end|>).",
+    )
+
+    @field_validator("template")
+    @classmethod
+    def _known_template(cls, value: str) -> str:
+        if _is_jinja(value):
+            from jinja2 import TemplateSyntaxError
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+            try:
+                ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).parse(value)
+            except TemplateSyntaxError as exc:
+                raise ValueError(
+                    f"Jinja syntax error at line {exc.lineno} of the template: {exc.message}"
+                ) from None
+        elif value not in TEMPLATES:
+            raise ValueError(
+                f"unknown template {value!r} (built-in: {', '.join(TEMPLATES)}; or give a "
+                "Jinja2 chat template)"
+            )
+        return value
+
+    @field_validator("special_tokens")
+    @classmethod
+    def _tokens(cls, tokens: list[str]) -> list[str]:
+        if any(not t for t in tokens):
+            raise ValueError("a special token cannot be empty")
+        return tokens
+
+
+class ChatSource(FileSource):
+    """Conversations from JSON Lines files (one record per line) or JSON arrays of records;
+    validation is ``val_paths`` or a seeded share of the records."""
+
+    Options = Options
+
+    def chat_format(self) -> ChatFormat:
+        """The template, its tokens and the masking, for the data pipeline."""
+        o = self.options
+        base = TEMPLATES.get(o.template) or ChatFormat("custom", o.template)
+        tokens = tuple(dict.fromkeys([*base.special_tokens, *o.special_tokens]))
+        end = o.end_of_turn or base.end_of_turn
+        return ChatFormat(base.name, base.template, tokens, end, o.mask_prompt)
+
+    def splits(self, seed: int) -> datasets.DatasetDict:
+        o = self.options
+        train_files, val_files = self._files()
+        train = _to_dataset([r for p in train_files for r in read_records(p)], train_files)
+        if val_files is None:
+            parts = seeded_split(train, o.val_fraction, seed, f"chat {train_files[0]}")
+            how = f"{1 - o.val_fraction:g}/{o.val_fraction:g} split"
+        else:
+            val = _to_dataset([r for p in val_files for r in read_records(p)], val_files)
+            parts = dataset_dict(train, val)
+            how = "val_paths"
+        n_files = len(train_files) + len(val_files or [])
+        fmt = self.chat_format()
+        self._summary = (
+            f"chat: {n_files} file(s), {how}: {len(parts['train'])} train and "
+            f"{len(parts['validation'])} validation conversations (template {fmt.name}"
+            f"{', prompts masked' if fmt.mask_prompt else ''})"
+        )
+        return parts
+
+    def describe(self) -> str:
+        return self._summary or f"chat: {', '.join(self.options.paths)}"
+
+
+def _to_dataset(records: list[tuple[str, list[dict[str, str]]]], files: list[Path]) -> Any:
+    if not records:
+        names = ", ".join(str(p) for p in files[:3])
+        raise LlmkitError(f"data.source: no records in {names}")
+    return text_dataset(
+        {
+            "text": ["\n".join(m["content"] for m in msgs) for _, msgs in records],
+            "messages": [json.dumps(msgs, ensure_ascii=False) for _, msgs in records],
+            "where": [where for where, _ in records],
+        }
+    )
+
+
+def read_records(path: Path) -> list[tuple[str, list[dict[str, str]]]]:
+    """``(where, messages)`` of each record of a JSON Lines file, or of a JSON file holding
+    one array of records; a one-line error naming the file and line of a bad one."""
+    text = read_utf8(path)
+    if text.lstrip().startswith("["):  # one JSON array, unless it is JSON Lines of lists
+        try:
+            items = json.loads(text)
+        except json.JSONDecodeError as exc:
+            if not _first_line_parses(text):
+                raise LlmkitError(f"{path}:{exc.lineno}: not valid JSON ({exc.msg})") from None
+        else:
+            return [
+                (f"{path}: record {i}", to_messages(r, f"{path}: record {i}"))
+                for i, r in enumerate(items)
+            ]
+    out = []
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        where = f"{path}:{n}"
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise LlmkitError(f"{where}: not valid JSON ({exc.msg})") from None
+        out.append((where, to_messages(record, where)))
+    return out
+
+
+def _first_line_parses(text: str) -> bool:
+    try:
+        json.loads(text.lstrip().splitlines()[0])
+    except json.JSONDecodeError:
+        return False
+    return True
+
+
+def to_messages(record: Any, where: str) -> list[dict[str, str]]:
+    """A record's conversation as ``{"role", "content"}`` messages; a one-line error
+    naming ``where`` and the field for a record in neither form, an unknown role, a
+    non-string content, or a missing or empty assistant turn."""
+    if not isinstance(record, dict):
+        raise LlmkitError(f"{where}: a record must be a JSON object, got {_json_type(record)}")
+    chat, instruction = "messages" in record, "prompt" in record or "response" in record
+    if chat and instruction:
+        raise LlmkitError(f"{where}: a record has either 'messages' or 'prompt'/'response'")
+    if chat:
+        messages = _chat_messages(record["messages"], where)
+    elif instruction:
+        messages = _instruction_messages(record, where)
+    else:
+        keys = ", ".join(map(repr, record)) or "none"
+        raise LlmkitError(
+            f"{where}: a record needs 'messages' (chat) or 'prompt' and 'response' "
+            f"(instruction); its keys: {keys}"
+        )
+    if not any(m["role"] == "assistant" for m in messages):
+        raise LlmkitError(f"{where}: messages: no assistant turn to train on")
+    return messages
+
+
+def _instruction_messages(record: dict[str, Any], where: str) -> list[dict[str, str]]:
+    for key in ("prompt", "response"):
+        if key not in record:
+            raise LlmkitError(f"{where}: {key}: missing (the instruction form needs both)")
+    messages = []
+    for key, role in (("system", "system"), ("prompt", "user"), ("response", "assistant")):
+        value = record.get(key)
+        if key == "system" and value is None:
+            continue
+        if not isinstance(value, str):
+            raise LlmkitError(f"{where}: {key}: expected a string, got {_json_type(value)}")
+        if role == "assistant" and not value.strip():
+            raise LlmkitError(f"{where}: response: empty assistant turn")
+        messages.append({"role": role, "content": value})
+    return messages
+
+
+def _chat_messages(items: Any, where: str) -> list[dict[str, str]]:
+    if not isinstance(items, list) or not items:
+        raise LlmkitError(f"{where}: messages: expected a non-empty list of messages")
+    messages = []
+    for i, m in enumerate(items):
+        at = f"{where}: messages[{i}]"
+        if not isinstance(m, dict):
+            raise LlmkitError(f"{at}: expected an object with role and content")
+        role, content = m.get("role"), m.get("content")
+        if role not in ROLES:
+            raise LlmkitError(f"{at}.role: unknown role {role!r} ({', '.join(ROLES)})")
+        if not isinstance(content, str):
+            raise LlmkitError(f"{at}.content: expected a string, got {_json_type(content)}")
+        if role == "assistant" and not content.strip():
+            raise LlmkitError(f"{at}.content: empty assistant turn")
+        messages.append({"role": role, "content": content})
+    return messages
+
+
+def _json_type(value: Any) -> str:
+    names = {dict: "an object", list: "a list", str: "a string", bool: "a boolean"}
+    if value is None:
+        return "null"
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return "a number"
+    return names.get(type(value), type(value).__name__)
