@@ -35,17 +35,22 @@ def configure_eval(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true")
 
 
-def _tokens(run: Any, data: str | None) -> tuple[Any, int, str]:
+def _tokens(run: Any, data: str | None) -> tuple[Any, int | None, str]:
     """The tokens to evaluate on, their text's size in bytes, and where they came from:
-    ``data`` (a text file), or the run's validation split."""
+    ``data`` (a text file), or the run's validation split — its token file itself when only
+    some tokens are trained (chat data: the assistant's) or rows are padded, whose bytes
+    then mean nothing per token (None)."""
     import torch
 
     if data is None:
         from llmkit.data import prepare_data
 
         prepared = prepare_data(run.spec, run.run_dir, run.tokenizer, log=lambda _m: None)
-        tokens = torch.from_numpy(prepared.validation.array.astype("int64"))
-        return tokens, prepared.validation.n_bytes_text, "validation split"
+        val = prepared.validation
+        if val.has_mask or val.layout != "packed":
+            return val, None, "validation split (trained tokens)"
+        tokens = torch.from_numpy(val.array.astype("int64"))
+        return tokens, val.n_bytes_text, "validation split"
     from pathlib import Path
 
     from llmkit.components.dataset import read_utf8
@@ -63,7 +68,10 @@ def _tokens(run: Any, data: str | None) -> tuple[Any, int, str]:
 
 
 def run_eval(args: argparse.Namespace) -> int:
+    import torch
+
     from llmkit import hardware
+    from llmkit.data import eval_batches, eval_rows
     from llmkit.runs import load_run
     from llmkit.training import Objective
     from llmkit.training.evaluate import evaluate_batches, full_text_batches
@@ -76,7 +84,11 @@ def run_eval(args: argparse.Namespace) -> int:
     objective = Objective.from_spec(run.spec)  # what the run trained on (val_loss)
 
     def evaluate(model: Any) -> Any:
-        batches = full_text_batches(tokens, block, args.batch_size)
+        if isinstance(tokens, torch.Tensor):
+            batches = full_text_batches(tokens, block, args.batch_size)
+        else:  # every row holding a trained token, once
+            rows = len(eval_rows(tokens, block))
+            batches = eval_batches(tokens, block, args.batch_size, -(-rows // args.batch_size))
         res = evaluate_batches(model, batches, device, objective=objective)
         res.text_bytes = text_bytes
         return res

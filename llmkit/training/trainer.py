@@ -97,7 +97,7 @@ class Trainer:
 
     # -- set-up ------------------------------------------------------------------------------
     def _setup(self) -> None:
-        from llmkit.data import count_blocks, make_sampler, prepare_data
+        from llmkit.data import eval_rows, make_sampler, prepare_data
         from llmkit.model import build_model
 
         t = self.t
@@ -142,7 +142,7 @@ class Trainer:
         )
 
         # Evaluation needs one validation block: fail now, not after the first eval_interval.
-        count_blocks(len(data.validation), self.block_size, "validation split")
+        eval_rows(data.validation, self.block_size)
 
         torch.manual_seed(t.seed)  # the same initial weights on every rank
         self.model = build_model(self.rs).to(self.device)

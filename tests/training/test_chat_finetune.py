@@ -1,0 +1,109 @@
+"""Chat data in training and evaluation: a small padded validation split is enough, `llmkit
+eval` scores only the trained (assistant) tokens as training does, and the whole fine-tuning
+path — a text base, init_from, LoRA, chat data, generate --chat — works end to end."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from llmkit.cli import main
+from llmkit.training import train
+from tests.helpers import write_train_spec
+
+PAIRS = [("hi", "ok"), ("bye", "ciao"), ("yes", "si")] * 8
+
+
+def quiet() -> dict:
+    return {"log": lambda _m: None, "progress": False}
+
+
+def chat_spec(tmp: Path, *, template: str = "chatml", sampling: str = "padded", **train_) -> Path:
+    tmp.mkdir(parents=True, exist_ok=True)
+    data = tmp / "chat.jsonl"
+    data.write_text("".join(json.dumps({"prompt": p, "response": r}) + "\n" for p, r in PAIRS))
+    spec = {
+        "name": "chat-unit",
+        "model": {
+            "vocab_size": 64,
+            "d_model": 32,
+            "n_layers": 2,
+            "n_heads": 2,
+            "max_seq_len": 48,
+            "position": {"name": "rope"},
+        },
+        "tokenizer": {"kind": "char"},
+        "data": {
+            "source": {"name": "chat", "paths": [str(data)], "template": template},
+            "sampling": sampling,
+            "block_size": 40,
+        },
+        "optimizer": {"name": "adamw", "lr": 1e-2, "weight_decay": 0.0},
+        "schedule": {"name": "constant"},
+        "train": {
+            "batch_size": 8,
+            "max_steps": 30,
+            "eval_interval": 30,
+            "eval_batches": 4,
+            "log_interval": 10,
+            "precision": "fp32",
+            "sample_tokens": 0,
+            **train_,
+        },
+    }
+    path = tmp / "spec.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+def test_a_small_padded_validation_split_is_enough(tmp_path):
+    """Two conversations of ~25 tokens each: fewer tokens than a block + 1 in a packed
+    sense, but two whole padded rows."""
+    spec = chat_spec(tmp_path, max_steps=2, eval_interval=2)
+    data = yaml.safe_load(spec.read_text())
+    data["data"]["source"]["val_fraction"] = 2 / len(PAIRS)
+    spec.write_text(yaml.safe_dump(data))
+    result = train(spec, run_dir=tmp_path / "run", **quiet())
+    assert result.val_loss is not None
+
+
+@pytest.mark.parametrize("sampling", ["padded", "packed"])
+def test_eval_scores_the_trained_tokens_as_training_does(tmp_path, capsys, sampling):
+    result = train(chat_spec(tmp_path, sampling=sampling), run_dir=tmp_path / "run", **quiet())
+    capsys.readouterr()
+    assert main(["eval", str(tmp_path / "run"), "--json"]) == 0
+    out = capsys.readouterr()
+    report = json.loads(out.out)
+    assert report["loss"] == pytest.approx(result.val_loss, abs=1e-4)
+    assert report["bytes"] is None  # per-byte figures mean nothing for a part of the text
+    assert "trained tokens" in out.err
+
+
+def test_chat_fine_tuning_of_a_text_base_with_lora(tmp_path, capsys):
+    corpus = "".join(f"User: {p}\nAssistant: {r}\n" for p, r in PAIRS) * 20
+    base = write_train_spec(tmp_path / "b", corpus, max_steps=20, eval_interval=20)
+    base_data = yaml.safe_load(base.read_text())
+    base_data["model"]["max_seq_len"] = 48
+    base.write_text(yaml.safe_dump(base_data))
+    train(base, run_dir=tmp_path / "base", **quiet())
+    spec = chat_spec(
+        tmp_path / "c", template="plain", init_from=str(tmp_path / "base"), max_steps=100
+    )
+    data = yaml.safe_load(spec.read_text())
+    data["model"] = yaml.safe_load(base.read_text())["model"]
+    data["model"]["adapter"] = {"name": "lora", "rank": 8, "targets": ["*"]}
+    spec.write_text(yaml.safe_dump(data))
+    train(spec, run_dir=tmp_path / "tuned", **quiet())
+    capsys.readouterr()
+    args = ["generate", str(tmp_path / "tuned"), "--chat", "bye", "--temperature", "0"]
+    assert main([*args, "--max-new-tokens", "12"]) == 0
+    assert capsys.readouterr().out.strip() == "ciao"
+    assert main(["merge-lora", str(tmp_path / "tuned"), str(tmp_path / "merged")]) == 0
+    assert (tmp_path / "merged" / "tokenizer_config.json").is_file()  # the template travels
+    capsys.readouterr()
+    args[1] = str(tmp_path / "merged")
+    assert main([*args, "--max-new-tokens", "12"]) == 0
+    assert capsys.readouterr().out.strip() == "ciao"
