@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
+from torch.nn.utils import parametrize
 
 from llmkit.inference.layout import fit_layout
 from llmkit.inference.sampling import (
@@ -339,8 +340,8 @@ def start_decoding(
     track_text: bool,
 ) -> tuple[list[Row], Iterator[None]]:
     """Validate, then set up one :class:`Row` per prompt and the steps that decode them
-    (sampling or beam search, in eval mode under ``torch.inference_mode``; iterating runs
-    them). ``track_text`` keeps each row's text (streaming)."""
+    (sampling or beam search, in eval mode under ``torch.inference_mode``, each adapted
+    weight computed once; iterating runs them). ``track_text`` keeps each row's text (streaming)."""
     cfg.validate()
     if cfg.stop and tokenizer is None:
         raise ValueError("stop strings need a tokenizer")
@@ -358,7 +359,8 @@ def start_decoding(
         model.eval()
         fit_layout(model, len(rows) * max(cfg.num_beams, 1))
         try:
-            with torch.inference_mode():
+            # Adapted weights (parametrizations: LoRA, DoRA) computed once per generation.
+            with torch.inference_mode(), parametrize.cached():
                 if cfg.num_beams > 1:
                     beam_search(model, rows, cfg, pad_id)
                     yield

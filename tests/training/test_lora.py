@@ -144,3 +144,16 @@ def test_the_base_run_is_left_untouched(base, tmp_path):
     )
     after = {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in base.rglob("*") if p.is_file()}
     assert after == before
+
+
+def test_decoding_computes_each_adapted_weight_once(tuned, monkeypatch):
+    from llmkit.components.adapter.lora import LoRA
+
+    run = load_run(tuned)
+    calls: list[int] = []
+    real = LoRA.forward
+    monkeypatch.setattr(LoRA, "forward", lambda self, w: calls.append(1) or real(self, w))
+    Generator(run.model, run.tokenizer).generate(
+        ["Tea"], Sampling(temperature=0.0, max_new_tokens=10)
+    )
+    assert len(calls) == 6  # 2 layers × (qkv, ffn in, ffn out), not once per token
