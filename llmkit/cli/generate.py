@@ -140,22 +140,13 @@ def _interactive(gen: Any, sampling: Any, stream: bool) -> int:
     return 0
 
 
-def chat_sampling(tokenizer: Any, sampling: Any) -> Any:
-    """``sampling`` stopping at the end of the assistant's turn (and at the EOS)."""
-    if sampling.ignore_eos or sampling.eos_id is not None:
-        return sampling
-    return dataclasses.replace(sampling, eos_id=tokenizer.stop_ids)
-
-
 def chat_reply(gen: Any, messages: list[dict[str, str]], sampling: Any, stream: bool) -> Any:
     """The assistant's reply to ``messages`` (a :class:`GenerationResult`), printed as it
     comes with ``stream``; its text without the spaces around it."""
-    ids = gen.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     if not (stream and sampling.num_beams == 1):
-        result = gen.generate([ids], sampling)[0]
-        return dataclasses.replace(result, text=result.text.strip())
+        return gen.chat(messages, sampling)
     started = False
-    stream_ = gen.stream(ids, sampling)
+    stream_ = gen.stream(gen.chat_prompt(messages), sampling)
     for piece in stream_:
         if not started:
             piece = piece.lstrip()
@@ -175,7 +166,7 @@ def _chat(gen: Any, args: argparse.Namespace, sampling: Any, where: str) -> int:
             f"{where}: the run has no chat template (tokenizer_config.json); train it on chat "
             "data (data.source.name = 'chat') or use --prompt"
         )
-    sampling = chat_sampling(tokenizer, sampling)
+    sampling = gen.chat_sampling(sampling)
     messages = [{"role": "system", "content": args.system}] if args.system else []
     stream = args.stream and not args.json
     if args.chat:

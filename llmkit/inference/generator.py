@@ -116,6 +116,30 @@ class Generator:
         ids = [self.encode(p) for p in batch]
         return generate_batch(self.model, ids, cfg, self.tokenizer, self.pad_id)
 
+    def chat_prompt(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        """The ids of ``messages`` in the tokenizer's chat template, ending with the
+        assistant's turn opened; a ``ValueError`` when the tokenizer has no template."""
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("the tokenizer has no chat template (tokenizer_config.json)")
+        return list(self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True))
+
+    def chat_sampling(self, sampling: Sampling | None = None, **kwargs: Any) -> Sampling:
+        """:meth:`sampling` that also stops at the end of the assistant's turn."""
+        cfg = dataclasses.replace(sampling or Sampling(), **kwargs)
+        if not cfg.ignore_eos and cfg.eos_id is None:
+            stops = getattr(self.tokenizer, "stop_ids", None)
+            cfg = dataclasses.replace(cfg, eos_id=stops or self.eos_id)
+        return cfg
+
+    def chat(
+        self, messages: Sequence[dict[str, str]], sampling: Sampling | None = None, **kwargs: Any
+    ) -> GenerationResult:
+        """The assistant's reply to ``messages`` (``{"role", "content"}`` dicts) with the
+        tokenizer's chat template, stopped at the end of its turn; the text stripped."""
+        cfg = self.chat_sampling(sampling, **kwargs)
+        result = self.generate([self.chat_prompt(messages)], cfg)[0]
+        return dataclasses.replace(result, text=result.text.strip())
+
     def stream(
         self, prompt: str | Sequence[int], sampling: Sampling | None = None, **kwargs: Any
     ) -> TextStream:

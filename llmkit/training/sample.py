@@ -11,7 +11,8 @@ def sample_text(result: Any) -> str | None:
     0.8, top-k 50, seeded with ``train.seed``) from a :class:`TrainResult`'s in-memory model
     and tokenizer — the weights the run just saved, so nothing is read back from disk. None
     when ``sample_tokens`` is 0 or the result holds no model (ranks other than 0). An empty
-    prompt starts from the document separator and runs across documents."""
+    prompt starts from the document separator and runs across documents. A chat model (its
+    tokenizer has a chat template) answers the prompt as a user message instead."""
     from llmkit.inference import Generator, Sampling
 
     if result.model is None or result.tokenizer is None or result.spec is None:
@@ -22,5 +23,9 @@ def sample_text(result: Any) -> str | None:
     sampling = Sampling(max_new_tokens=t.sample_tokens, temperature=0.8, top_k=50, seed=t.seed)
     if not t.sample_prompt and sampling.eos_id is None:
         sampling = dataclasses.replace(sampling, ignore_eos=True)
-    text = Generator(result.model, result.tokenizer).generate(t.sample_prompt, sampling)[0].text
+    gen = Generator(result.model, result.tokenizer)
+    if t.sample_prompt and getattr(result.tokenizer, "chat_template", None):
+        reply = gen.chat([{"role": "user", "content": t.sample_prompt}], sampling).text
+        return f"[user] {t.sample_prompt}\n[assistant] {reply}"
+    text = gen.generate(t.sample_prompt, sampling)[0].text
     return t.sample_prompt + text

@@ -107,3 +107,17 @@ def test_chat_fine_tuning_of_a_text_base_with_lora(tmp_path, capsys):
     args[1] = str(tmp_path / "merged")
     assert main([*args, "--max-new-tokens", "12"]) == 0
     assert capsys.readouterr().out.strip() == "ciao"
+
+
+def test_the_end_of_training_sample_of_a_chat_model_is_a_reply(tmp_path):
+    from llmkit.training import sample_text
+
+    spec = chat_spec(tmp_path, max_steps=60, sample_tokens=12, sample_prompt="yes")
+    data = yaml.safe_load(spec.read_text())
+    data["train"]["sample_tokens"], data["train"]["sample_prompt"] = 12, "yes"
+    spec.write_text(yaml.safe_dump(data))
+    result = train(spec, run_dir=tmp_path / "run", **quiet())
+    text = sample_text(result)
+    assert text.startswith("[user] yes\n[assistant] s")  # sampled (temperature 0.8)
+    reply = text.split("[assistant] ")[1]
+    assert 0 < len(reply) < 12 and "<|im" not in reply  # stopped at the end of its turn
