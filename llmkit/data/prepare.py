@@ -86,7 +86,8 @@ def prepare_data(
             tok_spec, texts, run_dir / "tokenizer.json", spec.model.vocab_size, log=log
         )
     if chat is not None:
-        _attach_template(tokenizer, chat, run_dir, log)
+        grow = spec.train.init_resize_vocab  # a fine-tune that may grow its vocabulary
+        _attach_template(tokenizer, chat, run_dir, log, add_tokens=grow)
     elif tokenizer.eos_id is None:
         log("data: the tokenizer has no special token; documents are joined without separator")
 
@@ -160,17 +161,32 @@ def iter_chat_texts(
 
 
 def _attach_template(
-    tokenizer: Tokenizer, chat: Any, run_dir: Path, log: Callable[[str], None]
+    tokenizer: Tokenizer,
+    chat: Any,
+    run_dir: Path,
+    log: Callable[[str], None],
+    *,
+    add_tokens: bool = False,
 ) -> None:
-    """Check the tokenizer has every token the template needs, give it the template and
-    write the run's ``tokenizer_config.json``."""
+    """Check the tokenizer has every token the template needs (with ``add_tokens``, add the
+    missing ones as special tokens to the run's copy: a fine-tune growing its vocabulary),
+    give it the template and write the run's ``tokenizer_config.json``."""
     where = f"data.source.template {chat.name!r}"
-    for token in chat.special_tokens:
-        if tokenizer.token_to_id(token) is None:
-            raise LlmkitError(
-                f"{where} needs the token {token!r}, which the tokenizer lacks (it is added "
-                "only when a tokenizer is trained); use template 'plain' with this tokenizer"
-            )
+    missing = [t for t in chat.special_tokens if tokenizer.token_to_id(t) is None]
+    if missing and add_tokens:
+        before = tokenizer.vocab_size
+        tokenizer.tok.add_special_tokens(missing)
+        tokenizer.save(run_dir / "tokenizer.json")
+        log(
+            f"data: added the template's tokens {', '.join(missing)} to the tokenizer "
+            f"({before} -> {tokenizer.vocab_size} tokens)"
+        )
+    elif missing:
+        raise LlmkitError(
+            f"{where} needs the token {missing[0]!r}, which the tokenizer lacks (it is added "
+            "when a tokenizer is trained, or to a fine-tune's copy with "
+            "train.init_resize_vocab = true); or use template 'plain' with this tokenizer"
+        )
     end = chat.end_of_turn
     if end is None and tokenizer.eos_id is None:
         raise LlmkitError(

@@ -121,3 +121,42 @@ def test_the_end_of_training_sample_of_a_chat_model_is_a_reply(tmp_path):
     assert text.startswith("[user] yes\n[assistant] s")  # sampled (temperature 0.8)
     reply = text.split("[assistant] ")[1]
     assert 0 < len(reply) < 12 and "<|im" not in reply  # stopped at the end of its turn
+
+
+def test_a_fine_tune_may_add_the_templates_tokens_to_its_vocabulary(tmp_path, capsys):
+    import hashlib
+
+    from llmkit.errors import LlmkitError
+
+    corpus = "".join(f"{p} {r}\n" for p, r in PAIRS) * 20
+    base = write_train_spec(tmp_path / "b", corpus, max_steps=10, eval_interval=10)
+    base_data = yaml.safe_load(base.read_text())
+    base_data["model"]["max_seq_len"] = 48
+    base.write_text(yaml.safe_dump(base_data))
+    train(base, run_dir=tmp_path / "base", **quiet())
+    before = hashlib.sha256((tmp_path / "base" / "tokenizer.json").read_bytes()).hexdigest()
+    spec = chat_spec(tmp_path / "c", init_from=str(tmp_path / "base"), max_steps=60)
+    data = yaml.safe_load(spec.read_text())
+    data["model"] = base_data["model"]
+    spec.write_text(yaml.safe_dump(data))
+    with pytest.raises(LlmkitError, match="init_resize_vocab"):
+        train(spec, run_dir=tmp_path / "refused", **quiet())
+    logs: list[str] = []
+    result = train(
+        spec,
+        run_dir=tmp_path / "tuned",
+        overrides=["train.init_resize_vocab=true"],
+        log=logs.append,
+        progress=False,
+    )
+    base_vocab = yaml.safe_load((tmp_path / "base" / "spec.yaml").read_text())["model"][
+        "vocab_size"
+    ]
+    assert result.spec.model.vocab_size == base_vocab + 2  # <|im_start|>, <|im_end|>
+    assert any(f"{base_vocab}->{base_vocab + 2} rows" in m for m in logs)
+    digest = hashlib.sha256((tmp_path / "base" / "tokenizer.json").read_bytes()).hexdigest()
+    assert digest == before  # the source's tokenizer is untouched
+    capsys.readouterr()
+    args = ["generate", str(tmp_path / "tuned"), "--chat", "bye", "--temperature", "0"]
+    assert main([*args, "--max-new-tokens", "12"]) == 0
+    assert capsys.readouterr().out.strip() == "ciao"
