@@ -160,3 +160,21 @@ def test_a_fine_tune_may_add_the_templates_tokens_to_its_vocabulary(tmp_path, ca
     args = ["generate", str(tmp_path / "tuned"), "--chat", "bye", "--temperature", "0"]
     assert main([*args, "--max-new-tokens", "12"]) == 0
     assert capsys.readouterr().out.strip() == "ciao"
+
+
+@pytest.mark.parametrize("sampling", ["padded", "packed"])
+def test_a_chat_run_resumes_exactly(tmp_path, sampling):
+    from tests.training.kill_resume import losses, train_killed_and_resumed, val_losses
+
+    spec = chat_spec(
+        tmp_path / "s",
+        sampling=sampling,
+        max_steps=24,
+        eval_interval=12,
+        checkpoint_interval=4,
+        log_interval=1,
+    )
+    full, run, killed_at = train_killed_and_resumed(spec, tmp_path, kill_at=8)
+    assert killed_at < 24
+    assert losses(run) == losses(full) and len(losses(full)) == 24
+    assert val_losses(run) == val_losses(full)
