@@ -8,7 +8,7 @@ import argparse
 import dataclasses
 import json
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from llmkit.cli.common import WEIGHTS, seed, write
@@ -117,21 +117,28 @@ def _stream_one(gen: Any, prompt: str, sampling: Any) -> Any:
     return stream.result
 
 
-def _interactive(gen: Any, sampling: Any, stream: bool) -> int:
-    """One prompt per line (each continued on its own) until EOF or `exit`."""
+def _input_lines(banner: str, prompt: str) -> Iterator[str]:
+    """Lines of stdin without their line end, until EOF or `exit`/`quit`; on a terminal
+    with ``banner`` first and ``prompt`` before each."""
     tty = sys.stdin.isatty()
     if tty:
-        sys.stderr.write("llmkit generate: one prompt per line; `exit` or Ctrl-D ends\n")
+        sys.stderr.write(f"{banner}; `exit` or Ctrl-D ends\n")
     while True:
         if tty:
-            sys.stderr.write("> ")
+            sys.stderr.write(prompt)
             sys.stderr.flush()
         line = sys.stdin.readline()
         if not line:
-            break
-        prompt = line.rstrip("\r\n")
-        if prompt.strip() in ("exit", "quit"):
-            break
+            return
+        text = line.rstrip("\r\n")
+        if text.strip() in ("exit", "quit"):
+            return
+        yield text
+
+
+def _interactive(gen: Any, sampling: Any, stream: bool) -> int:
+    """One prompt per line (each continued on its own) until EOF or `exit`."""
+    for prompt in _input_lines("llmkit generate: one prompt per line", "> "):
         if stream and sampling.num_beams == 1:
             _stream_one(gen, prompt, sampling)
         else:
@@ -183,19 +190,7 @@ def _chat(gen: Any, args: argparse.Namespace, sampling: Any, where: str) -> int:
         elif not stream:
             write(result.text + "\n")
         return 0
-    tty = sys.stdin.isatty()
-    if tty:
-        sys.stderr.write("llmkit generate --chat: one message per line; `exit` or Ctrl-D ends\n")
-    while True:
-        if tty:
-            sys.stderr.write("you> ")
-            sys.stderr.flush()
-        line = sys.stdin.readline()
-        if not line:
-            break
-        text = line.rstrip("\r\n")
-        if text.strip() in ("exit", "quit"):
-            break
+    for text in _input_lines("llmkit generate --chat: one message per line", "you> "):
         if not text.strip():
             continue
         messages.append({"role": "user", "content": text})

@@ -20,7 +20,6 @@ from typing import Any
 
 from llmkit.errors import LlmkitError
 
-ROLES = ("system", "user", "assistant")
 #: The special-token variables a template may use, as Hugging Face passes them.
 TOKEN_VARIABLES = ("bos_token", "eos_token", "pad_token", "unk_token")
 
@@ -169,21 +168,3 @@ class ChatEncoder:
             mask.append(row_mask)
             n_bytes.append(sum(len(text.encode("utf-8")) for text, _ in conv))
         return {"ids": ids, "mask": mask, "n_bytes": n_bytes}
-
-
-def check_messages(messages: Any, what: str = "messages") -> list[dict[str, str]]:
-    """``messages`` as a list of ``{"role", "content"}`` dicts; a one-line error naming the
-    first bad entry."""
-    if not isinstance(messages, list | tuple):
-        raise LlmkitError(f"{what}: expected a list of messages, got {type(messages).__name__}")
-    out = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, Mapping):
-            raise LlmkitError(f"{what}[{i}]: expected an object with role and content")
-        role, content = m.get("role"), m.get("content")
-        if role not in ROLES:
-            raise LlmkitError(f"{what}[{i}].role: unknown role {role!r} ({', '.join(ROLES)})")
-        if not isinstance(content, str):
-            raise LlmkitError(f"{what}[{i}].content: expected a string")
-        out.append({"role": role, "content": content})
-    return out

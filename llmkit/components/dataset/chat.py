@@ -12,6 +12,7 @@ render, mask and tokenize them.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -230,7 +231,7 @@ def to_messages(record: Any, where: str) -> list[dict[str, str]]:
     if chat and instruction:
         raise LlmkitError(f"{where}: a record has either 'messages' or 'prompt'/'response'")
     if chat:
-        messages = _chat_messages(record["messages"], where)
+        messages = check_messages(record["messages"], f"{where}: messages", training=True)
     elif instruction:
         messages = _instruction_messages(record, where)
     else:
@@ -261,20 +262,26 @@ def _instruction_messages(record: dict[str, Any], where: str) -> list[dict[str, 
     return messages
 
 
-def _chat_messages(items: Any, where: str) -> list[dict[str, str]]:
-    if not isinstance(items, list) or not items:
-        raise LlmkitError(f"{where}: messages: expected a non-empty list of messages")
+def check_messages(
+    items: Any, what: str = "messages", *, training: bool = False
+) -> list[dict[str, str]]:
+    """``items`` as a list of ``{"role", "content"}`` dicts; a one-line error naming the
+    first bad entry (``what`` says where). Training data (``training``) may hold no empty
+    list and no empty assistant turn."""
+    if not isinstance(items, list | tuple) or (training and not items):
+        kind = "a non-empty list" if training else "a list"
+        raise LlmkitError(f"{what}: expected {kind} of messages, got {_json_type(items)}")
     messages = []
     for i, m in enumerate(items):
-        at = f"{where}: messages[{i}]"
-        if not isinstance(m, dict):
+        at = f"{what}[{i}]"
+        if not isinstance(m, Mapping):
             raise LlmkitError(f"{at}: expected an object with role and content")
         role, content = m.get("role"), m.get("content")
         if role not in ROLES:
             raise LlmkitError(f"{at}.role: unknown role {role!r} ({', '.join(ROLES)})")
         if not isinstance(content, str):
             raise LlmkitError(f"{at}.content: expected a string, got {_json_type(content)}")
-        if role == "assistant" and not content.strip():
+        if training and role == "assistant" and not content.strip():
             raise LlmkitError(f"{at}.content: empty assistant turn")
         messages.append({"role": role, "content": content})
     return messages
