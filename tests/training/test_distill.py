@@ -67,14 +67,14 @@ def test_the_loss_mixes_the_parts_and_only_the_student_learns():
     assert float(out.loss.detach()) == pytest.approx((0.3 * 4 * kl + 0.7 * ce).item(), rel=1e-5)
     assert float(out.metrics["distill.kl"]) == pytest.approx(kl.item(), rel=1e-5)
     assert float(out.metrics["distill.hard"]) == pytest.approx(ce.item(), rel=1e-5)
-    assert float(out.cross_entropy) == pytest.approx(ce.item(), rel=1e-5)
+    assert out.cross_entropy.item() == pytest.approx(ce.item(), rel=1e-5)
     out.total.backward()
     assert all(p.grad is None for p in teacher.parameters())
     assert all(not p.requires_grad for p in teacher.parameters()) and not teacher.training
     assert student.lm_head.weight.grad is not None
     # alpha 0 is the hard objective exactly; its gradient does not depend on the teacher.
     hard = Distillation(Objective(), teacher, temperature=2.0, alpha=0.0)(student, x, y)
-    assert float(hard.loss) == pytest.approx(float(ce), rel=1e-6)
+    assert hard.loss.item() == pytest.approx(ce.item(), rel=1e-6)
 
 
 def test_no_teacher_activation_is_kept_for_backward():
