@@ -5,29 +5,34 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.llmkit-installed
 FIXTURE := plugins/llmkit-broken-fixture
 PLUGINS := $(filter-out $(FIXTURE)/pyproject.toml,$(wildcard plugins/*/pyproject.toml))
-FIXTURE_STAMP := $(VENV)/.llmkit-fixture-installed
 
-.PHONY: demo test bench lint setup clean
+.PHONY: demo test bench lint setup clean no-fixture
 
 setup: $(STAMP)
 
 # Installs torch==2.13.0 first where the venv has no torch (a bare `torch` requirement
 # would pull a multi-GB CUDA build), then llmkit and every plugins/* package, editable.
-# The deliberately broken test fixture is installed only for the tests.
+# The deliberately broken test fixture is never installed: the tests that need it install
+# it into a temporary directory (tests/conftest.py).
 $(STAMP): pyproject.toml $(PLUGINS)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e ".[dev]" $(foreach p,$(PLUGINS),-e $(dir $(p)))
 	touch $(STAMP)
 
-$(FIXTURE_STAMP): $(STAMP) $(FIXTURE)/pyproject.toml
-	$(BIN)/pip install -q --no-deps -e $(FIXTURE)
-	touch $(FIXTURE_STAMP)
+# An older set-up installed the broken fixture into the venv, so every command warned
+# about it: remove it (and its stamp) wherever it is still there.
+no-fixture: $(STAMP)
+	@if $(BIN)/python -c "import importlib.metadata as m; m.distribution('llmkit-broken-fixture')" 2>/dev/null; then \
+		echo "removing the test fixture llmkit-broken-fixture from $(VENV)"; \
+		$(BIN)/pip uninstall -q -y llmkit-broken-fixture; \
+	fi
+	@rm -f $(VENV)/.llmkit-fixture-installed
 
-demo: $(STAMP)
+demo: $(STAMP) no-fixture
 	$(BIN)/llmkit train specs/tiny.toml
 
-test: $(STAMP) $(FIXTURE_STAMP)
+test: $(STAMP) no-fixture
 	$(BIN)/ruff check llmkit tests benchmarks plugins
 	$(BIN)/python -m pytest -q tests
 	$(BIN)/python -m pytest -q benchmarks --benchmark-disable

@@ -59,9 +59,10 @@ POSITION_SITES = ("embedding", "qk", "score_bias")
 
 
 class ComponentOptions(BaseModel):
-    """Base of every component's options: unknown keys are rejected."""
+    """Base of every component's options: unknown keys and non-finite floats (inf, nan)
+    are rejected."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class NoOptions(ComponentOptions):

@@ -4,7 +4,9 @@ Plugins are loaded one at a time from the ``llmkit`` entry-point group; each hoo
 implementation is called with a ``register`` callback bound to its provider, so a plugin
 that fails to import or to register is recorded by name and the rest still load. The
 built-in plugin loads first, and every plugin's ``register_kinds`` runs before any plugin's
-``register_components`` (a plugin may use a kind another plugin declares).
+``register_components`` (a plugin may use a kind another plugin declares). A plugin that fails
+in either hook provides nothing: what it registered is rolled back (with other plugins'
+components of the kinds it declared), and lookups of a missing name say which plugins failed.
 
 Environment:
 - ``LLMKIT_PLUGINS``: comma-separated entry-point names to load besides the built-in one
@@ -15,6 +17,7 @@ Environment:
 
 from __future__ import annotations
 
+import copy
 import difflib
 import fnmatch
 import importlib
@@ -184,6 +187,9 @@ def _dist_of(ep: md.EntryPoint) -> tuple[str, str]:
 
 
 def _load_winners() -> dict[str, str]:
+    """The ``[winners]`` tables of the catalogue and ``$LLMKIT_REGISTRY`` (the latter wins);
+    a file that cannot be read or a malformed table is a one-line :class:`RegistryError`
+    naming the file (and the key)."""
     winners: dict[str, str] = {}
     files = [CATALOGUE]
     if os.environ.get("LLMKIT_REGISTRY"):
@@ -198,8 +204,28 @@ def _load_winners() -> dict[str, str]:
             raise RegistryError(f"registry file {path}: {why or exc}") from exc
         except tomllib.TOMLDecodeError as exc:
             raise RegistryError(f"{path}: invalid TOML: {exc}") from exc
-        winners.update({str(k): str(v) for k, v in data.get("winners", {}).items()})
+        winners.update(_winners_table(data.get("winners", {}), path))
     return winners
+
+
+def _winners_table(table: Any, path: Path) -> dict[str, str]:
+    """``table`` checked: ``"kind.name" = "distribution"`` entries only."""
+    if not isinstance(table, dict):
+        raise RegistryError(
+            f'{path}: [winners] must be a table of "kind.name" = "distribution", got {table!r}'
+        )
+    for key, value in table.items():
+        if not isinstance(value, str) or not value:
+            raise RegistryError(
+                f'{path}: [winners] "{key}": expected a distribution name (a string, e.g. '
+                f'"llmkit-extras"), got {value!r}'
+            )
+        kind, _, name = key.partition(".")
+        if not kind or not name:
+            raise RegistryError(
+                f'{path}: [winners] "{key}": expected a key "kind.name" (e.g. "norm.dyt")'
+            )
+    return dict(table)
 
 
 class Registry:
@@ -215,6 +241,12 @@ class Registry:
         self.overridden: list[Component] = []
         self.winners: dict[str, str] = {}
         self.strict = os.environ.get("LLMKIT_STRICT_PLUGINS", "") not in ("", "0")
+        #: Every accepted kind and component, in order, with its plugin (for rollbacks).
+        self._kind_log: list[tuple[PluginInfo, Kind]] = []
+        self._log: list[tuple[PluginInfo, Component]] = []
+        #: What failed plugins had registered before they were rolled back: kind names and
+        #: ``kind.name`` keys → the plugin (named by lookups of those names).
+        self.lost: dict[str, PluginInfo] = {}
 
     # -- loading ---------------------------------------------------------------------------
     def load_entry_points(self, allow: Iterable[str] | None = None) -> None:
@@ -266,14 +298,19 @@ class Registry:
             )
         for hook_name in REGISTRATION_HOOKS:
             for info in loaded:
-                self._call(info, hook_name)
+                if info.error is None:
+                    self._call(info, hook_name)
+        self._rollback([info for info in loaded if info.error is not None])
 
     def add_plugin(self, plugin: Any, name: str, distribution: str, version: str) -> PluginInfo:
-        """Register one plugin object and run its hooks, isolating its failures."""
+        """Register one plugin object and run its hooks, isolating its failures (a plugin
+        that fails provides nothing)."""
         info = self._register(plugin, name, distribution, version)
-        if info.error is None:
-            for hook_name in REGISTRATION_HOOKS:
+        for hook_name in REGISTRATION_HOOKS:
+            if info.error is None:
                 self._call(info, hook_name)
+        if info.error is not None:
+            self._rollback([info])
         return info
 
     def _register(self, plugin: Any, name: str, distribution: str, version: str) -> PluginInfo:
@@ -316,7 +353,44 @@ class Registry:
         info.error = error
         self.plugins[info.name] = info
         if self.strict:
+            self._rollback([info])
             raise PluginError(f"plugin {info.name!r} ({info.distribution}) failed: {error}")
+
+    def _rollback(self, failed: list[PluginInfo]) -> None:
+        """Undo everything the ``failed`` plugins registered: kinds and components are
+        replayed without theirs, so clashes they caused are undone too; other plugins'
+        components of the kinds they declared go as well (whatever the loading order)."""
+        if not failed:
+            return
+        gone = {id(info) for info in failed}
+        for info, kind in self._kind_log:
+            if id(info) in gone:
+                self.lost.setdefault(kind.name, info)
+        for info, rec in self._log:
+            if id(info) in gone:
+                self.lost.setdefault(rec.key, info)
+        records = self._log
+        self._kind_log = [(i, k) for i, k in self._kind_log if id(i) not in gone]
+        self.kinds.clear()
+        self.kinds.update({k.name: k for _, k in self._kind_log})
+        self._log = []
+        self.components.clear()
+        self.conflicts.clear()
+        self.overridden.clear()
+        strict, self.strict = self.strict, False  # clashes kept here were accepted before
+        try:
+            for info, rec in records:
+                if id(info) in gone:
+                    continue
+                if rec.kind not in self.kinds:  # a kind only a failed plugin declared
+                    info.registered.remove(rec.key)
+                    continue
+                self._add(rec)
+                self._log.append((info, rec))
+        finally:
+            self.strict = strict
+        for info in failed:
+            info.registered.clear()
 
     def _kind_registrar(self, info: PluginInfo) -> Callable[..., None]:
         def register(
@@ -352,6 +426,7 @@ class Registry:
             )
             _check_kind(kind, self.kinds)
             self.kinds[name] = kind
+            self._kind_log.append((info, kind))
 
         return register
 
@@ -378,6 +453,7 @@ class Registry:
                 info.version,
             )
             self._add(rec)
+            self._log.append((info, rec))
             info.registered.append(rec.key)
             return rec
 
@@ -431,7 +507,7 @@ class Registry:
         if kind not in self.kinds:
             raise RegistryError(
                 f"unknown component kind {kind!r}{_suggest(kind, self.kinds)}; "
-                f"known kinds: {', '.join(sorted(self.kinds))}"
+                f"known kinds: {', '.join(sorted(self.kinds))}{self.failure_hint(kind)}"
             )
         key = f"{kind}.{name}"
         if key in self.components:
@@ -442,6 +518,28 @@ class Registry:
         raise RegistryError(
             f"unknown {kind} {name!r}{_suggest(name, names)}; available: "
             f"{', '.join(names) or 'none (no installed plugin provides one)'}"
+            f"{self.failure_hint(kind, name)}"
+        )
+
+    def failure_hint(self, kind: str | None = None, name: str | None = None) -> str:
+        """``"; plugin 'x' (dist) ... failed to load: error"`` for a message about a missing
+        kind or ``kind.name``: the failed plugin that registered it, else every failed plugin
+        (any may have provided it); ``""`` when no plugin failed."""
+        failed = self.failures()
+        if not failed:
+            return ""
+        key = f"{kind}.{name}" if kind is not None and name is not None else kind
+        owner = self.lost.get(key) if key is not None else None
+        if owner is None and name is not None and kind not in self.kinds:
+            owner = self.lost.get(kind or "")
+        if owner is not None and owner.error:
+            return f"; plugin {owner.name!r} ({owner.distribution}) provides it but failed " + (
+                f"to load: {_first_line(owner.error)}"
+            )
+        return "; " + "; ".join(
+            f"plugin {p.name!r} ({p.distribution}) failed to load and may provide it: "
+            f"{_first_line(p.error or '')}"
+            for p in failed
         )
 
     def names(self, kind: str) -> list[str]:
@@ -459,6 +557,25 @@ class Registry:
 
     def failures(self) -> list[PluginInfo]:
         return [p for p in self.plugins.values() if p.error]
+
+    def unloadable(self) -> list[tuple[Component, str]]:
+        """Components whose module (or options model) fails to import, each with the
+        import's one-line error. Imports every component module."""
+        out = []
+        for rec in self.list():
+            try:
+                rec.options_model()
+            except Exception as exc:
+                cause = exc.__cause__ if isinstance(exc, RegistryError) and exc.__cause__ else exc
+                out.append((rec, _first_line(f"{type(cause).__name__}: {cause}")))
+        return out
+
+    def without(self, keys: Iterable[str]) -> Registry:
+        """A shallow copy for reading that lacks the components ``keys`` (``kind.name``)."""
+        drop = set(keys)
+        view = copy.copy(self)
+        view.components = {k: c for k, c in self.components.items() if k not in drop}
+        return view
 
     # -- hooks outside the registry (the command line's register_commands) ------------------
     def call_hook(self, hook_name: str, bind: Callable[[PluginInfo], Callable[..., Any]]) -> None:
@@ -495,6 +612,12 @@ def _check_kind(kind: Kind, others: dict[str, Kind]) -> None:
                 f"kind {kind.name!r}: section {kind.section!r} is already kind "
                 f"{other.name!r}'s ({other.provider})"
             )
+
+
+def _first_line(text: str, limit: int = 300) -> str:
+    """The first line of ``text``, at most ``limit`` characters (messages stay one line)."""
+    line = text.strip().splitlines()[0] if text.strip() else ""
+    return line if len(line) <= limit else line[: limit - 1] + "…"
 
 
 def _doc_line(target: Any) -> str:
@@ -537,6 +660,12 @@ def get_registry() -> Registry:
         reg.load_entry_points(allowed_plugins())
         _REGISTRY = reg
     return _REGISTRY
+
+
+def failure_hint(kind: str | None = None, name: str | None = None) -> str:
+    """:meth:`Registry.failure_hint` of the process-wide registry: append it to an error about
+    a kind or component that is missing (``""`` when no plugin failed)."""
+    return get_registry().failure_hint(kind, name)
 
 
 def reset_registry(registry: Registry | None = None) -> None:

@@ -8,12 +8,47 @@ os.environ["LLMKIT_PLUGINS"] = ""  # only the built-in plugin
 os.environ.pop("LLMKIT_STRICT_PLUGINS", None)
 os.environ.pop("LLMKIT_REGISTRY", None)
 
+import shutil
+import tomllib
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 SPECS = ROOT / "specs"
+#: The deliberately broken plugin: never installed where the user works (``make test``
+#: uninstalls an old install); tests that need it install it throwaway, see below.
+BROKEN_FIXTURE = ROOT / "plugins" / "llmkit-broken-fixture"
+
+
+def install_broken_fixture(site: Path) -> Path:
+    """Install the broken-plugin fixture into the directory ``site`` as pip would (its module
+    and a ``.dist-info`` with its entry points), without touching the environment; ``site``
+    on ``sys.path`` (or ``PYTHONPATH``) makes its entry point visible."""
+    meta = tomllib.loads((BROKEN_FIXTURE / "pyproject.toml").read_text())["project"]
+    module = "llmkit_broken_fixture"
+    shutil.copytree(
+        BROKEN_FIXTURE / module, site / module, ignore=shutil.ignore_patterns("__pycache__")
+    )
+    info = site / f"{module}-{meta['version']}.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(
+        f"Metadata-Version: 2.1\nName: {meta['name']}\nVersion: {meta['version']}\n"
+    )
+    eps = meta["entry-points"]["llmkit"]
+    (info / "entry_points.txt").write_text(
+        "[llmkit]\n" + "".join(f"{k} = {v}\n" for k, v in eps.items())
+    )
+    return site
+
+
+@pytest.fixture
+def broken_fixture_site(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The broken-plugin fixture installed for this test only, in a throwaway site directory
+    put on ``sys.path`` (pass it as ``PYTHONPATH`` to a subprocess)."""
+    site = install_broken_fixture(tmp_path / "broken-fixture-site")
+    monkeypatch.syspath_prepend(str(site))
+    return site
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,8 @@
 """The plugin packages in plugins/: installed, conformant, visible in every command, isolated
 when broken, settled when they clash, and required by specs — each proved end to end with the
-plugins switched on through $LLMKIT_PLUGINS (tests/conftest.py switches them off)."""
+plugins switched on through $LLMKIT_PLUGINS (tests/conftest.py switches them off). The broken
+fixture is never installed in the environment: the tests that need it install it throwaway
+(``broken_fixture_site``)."""
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ import pytest
 from llmkit.cli import main
 from llmkit.registry import Registry, get_registry, reset_registry
 from llmkit.testing import check_component, conformance_params
-from tests.conftest import ROOT, SPECS
+from tests.conftest import BROKEN_FIXTURE, ROOT, SPECS
 
 PLUGINS = ROOT / "plugins"
 PACKAGES = sorted(p.parent for p in PLUGINS.glob("*/pyproject.toml"))
@@ -52,10 +54,13 @@ def cli(capsys, *argv: str) -> tuple[int, str, str]:
     return code, out, err
 
 
-def _env(**extra: str) -> dict[str, str]:
+def _env(site: Path | None = None, **extra: str) -> dict[str, str]:
     """The environment of a subprocess: ``extra`` set, the other LLMKIT_* switches unset (so
-    LLMKIT_PLUGINS unset = every installed plugin loads)."""
+    LLMKIT_PLUGINS unset = every installed plugin loads); ``site`` (a throwaway install, e.g.
+    of the broken fixture) goes on its PYTHONPATH."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", **extra}
+    if site is not None:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(site), env.get("PYTHONPATH")]))
     for key in ("LLMKIT_PLUGINS", "LLMKIT_STRICT_PLUGINS", "LLMKIT_REGISTRY"):
         if key not in extra:
             env.pop(key, None)
@@ -72,10 +77,34 @@ def test_every_plugin_package_is_complete_and_installed():
         eps = meta["entry-points"]["llmkit"]
         assert eps, f"{pkg.name}: no [project.entry-points.llmkit]"
         assert (pkg / "README.md").is_file() and list((pkg / "tests").glob("test_*.py")), pkg
+        if pkg == BROKEN_FIXTURE:
+            continue
         dist = md.distribution(meta["name"])  # installed by the set-up (make setup)
         assert dist.version == meta["version"]
         installed = {e.name: e.value for e in dist.entry_points if e.group == "llmkit"}
         assert installed == eps, f"{pkg.name}: reinstall it (pip install -e {pkg})"
+
+
+def test_the_broken_fixture_stays_out_of_the_users_environment():
+    """Installed, it would make every command the user runs warn about it."""
+    with pytest.raises(md.PackageNotFoundError):
+        md.distribution("llmkit-broken-fixture")
+    assert "broken_fixture" not in {e.name for e in md.entry_points(group="llmkit")}
+
+
+def test_make_test_installs_no_fixture_and_removes_an_old_one():
+    proc = subprocess.run(
+        ["make", "-n", "-B", "test", "VENV=/nonexistent-venv"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    installs = [line for line in lines if "pip install" in line]
+    assert installs and not any("broken-fixture" in line for line in installs), installs
+    assert any("uninstall" in line and "llmkit-broken-fixture" in line for line in lines)
 
 
 def test_each_plugin_package_passes_its_own_tests():
@@ -126,7 +155,9 @@ def test_plugin_components_appear_in_list_show_and_schema(plugins_on, capsys, tm
     assert "schedule__rex" in defs
 
 
-def test_example_specs_validate_with_every_plugin_installed(plugins_on, capsys):
+def test_example_specs_validate_with_every_plugin_installed(
+    broken_fixture_site, plugins_on, capsys
+):
     plugins_on()  # everything installed, the broken fixture included
     specs = sorted(SPECS.glob("*.toml")) + sorted(SPECS.glob("*.yaml")) + [EXTRAS_SPEC]
     code, out, err = cli(capsys, "validate", *map(str, specs))
@@ -214,7 +245,7 @@ def test_a_spec_made_of_plugin_components_trains(plugins_on, tmp_path):
     assert resolved["optimizer"]["name"] == "ademamix"
 
 
-def test_listing_stays_import_light_with_every_plugin_loaded():
+def test_listing_stays_import_light_with_every_plugin_loaded(broken_fixture_site):
     code = (
         "import sys\nfrom llmkit.cli import main\n"
         "assert main(['list']) == 0 and main(['plugins']) == 1\n"
@@ -226,7 +257,7 @@ def test_listing_stays_import_light_with_every_plugin_loaded():
         capture_output=True,
         text=True,
         cwd=ROOT,
-        env=_env(),  # LLMKIT_PLUGINS unset: every installed plugin
+        env=_env(broken_fixture_site),  # LLMKIT_PLUGINS unset: every installed plugin
         timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
@@ -238,7 +269,9 @@ BROKEN = "RuntimeError: llmkit-broken-fixture is a test fixture that always fail
 
 
 @pytest.mark.parametrize("enabled", [("broken_fixture",), ()], ids=["allowed", "all-installed"])
-def test_a_broken_plugin_breaks_no_command_and_is_named(plugins_on, capsys, enabled):
+def test_a_broken_plugin_breaks_no_command_and_is_named(
+    broken_fixture_site, plugins_on, capsys, enabled
+):
     reg = plugins_on(*enabled)
     assert [f.name for f in reg.failures()] == ["broken_fixture"]
     code, out, err = cli(capsys, "list")
@@ -262,13 +295,13 @@ def test_a_broken_plugin_breaks_no_command_and_is_named(plugins_on, capsys, enab
 @pytest.mark.parametrize(
     "argv", [["list"], ["validate", str(SPECS / "tiny.toml")], ["plugins"]], ids=lambda a: a[0]
 )
-def test_strict_mode_makes_a_broken_plugin_an_error(argv):
+def test_strict_mode_makes_a_broken_plugin_an_error(broken_fixture_site, argv):
     proc = subprocess.run(
         [sys.executable, "-m", "llmkit.cli", *argv],
         capture_output=True,
         text=True,
         cwd=ROOT,
-        env=_env(LLMKIT_PLUGINS="broken_fixture", LLMKIT_STRICT_PLUGINS="1"),
+        env=_env(broken_fixture_site, LLMKIT_PLUGINS="broken_fixture", LLMKIT_STRICT_PLUGINS="1"),
         timeout=120,
     )
     assert proc.returncode == 2, proc.stdout + proc.stderr
@@ -276,7 +309,9 @@ def test_strict_mode_makes_a_broken_plugin_an_error(argv):
     assert "Traceback" not in proc.stderr
 
 
-def test_plugins_reports_plugins_left_out_by_the_allow_list(plugins_on, capsys):
+def test_plugins_reports_plugins_left_out_by_the_allow_list(
+    broken_fixture_site, plugins_on, capsys
+):
     plugins_on("extras")
     code, out, _ = cli(capsys, "plugins", "--json")
     report = json.loads(out)

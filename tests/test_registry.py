@@ -231,3 +231,185 @@ def test_a_missing_builtin_entry_point_is_reported_not_imported_by_name(monkeypa
     (failed,) = reg.failures()
     assert failed.name == "builtin" and "llmkit is not installed" in failed.error
     assert not reg.components
+
+
+# -- a plugin that fails partway is rolled back; lookups name it --------------------------------
+
+
+class Partway:
+    """Declares a kind, registers three components (one clashing with a built-in), then raises."""
+
+    distribution = "llmkit-partway"
+    name = "partway"
+
+    @hookimpl
+    def register_kinds(self, register):
+        register("metric", "Evaluation metrics")
+
+    @hookimpl
+    def register_components(self, register):
+        register("norm", "early_norm", Fancy)
+        register("attention", "sdpa", Fancy)
+        register("metric", "accuracy", Fancy)
+        raise RuntimeError("boom halfway")
+
+
+PARTWAY = (
+    "plugin 'partway' (llmkit-partway) provides it but failed to load: "
+    "register_components: RuntimeError: boom halfway"
+)
+
+
+def test_a_plugin_failing_partway_registers_nothing():
+    reg = registry_with(Partway(), FakePlugin())
+    (failed,) = reg.failures()
+    assert failed.name == "partway" and failed.registered == []
+    assert "metric" not in reg.kinds
+    assert reg.get("attention", "sdpa").provider == "llmkit"  # its clash is undone too
+    assert not reg.conflicts and not reg.overridden
+    assert reg.get("ffn", "fancy").provider == "llmkit-fake"  # the next plugin is unaffected
+    with pytest.raises(RegistryError) as err:
+        reg.get("norm", "early_norm")
+    assert str(err.value).startswith("unknown norm 'early_norm'")
+    assert PARTWAY in str(err.value)
+    with pytest.raises(RegistryError, match="unknown component kind 'metric'") as err:
+        reg.get("metric", "accuracy")
+    assert PARTWAY in str(err.value)
+
+
+def test_a_plugin_failing_in_register_kinds_registers_no_component():
+    class BadKinds:
+        @hookimpl
+        def register_kinds(self, register):
+            register("metric", "Evaluation metrics")
+            raise RuntimeError("no more kinds")
+
+        @hookimpl
+        def register_components(self, register):
+            register("norm", "never", Fancy)
+
+    reg = registry_with(BadKinds())
+    (failed,) = reg.failures()
+    assert "register_kinds: RuntimeError: no more kinds" in failed.error
+    assert "metric" not in reg.kinds and "norm.never" not in reg.components
+
+
+def test_an_unknown_name_lists_the_plugins_that_failed():
+    class ImportLike:
+        @hookimpl
+        def register_components(self, register):
+            raise ImportError("no module named 'bar'")
+
+    reg = registry_with(ImportLike())
+    with pytest.raises(RegistryError) as err:
+        reg.get("ffn", "nope")
+    msg = str(err.value)
+    assert msg.startswith("unknown ffn 'nope'") and "\n" not in msg
+    assert (
+        "plugin 'fake0' (fake-0) failed to load and may provide it: "
+        "register_components: ImportError: no module named 'bar'"
+    ) in msg
+    assert registry_with().failure_hint("ffn", "nope") == ""  # nothing failed: no hint
+
+
+PARTWAY_PLUGIN = Partway()
+USES_METRIC = SimpleNamespace(
+    register_components=hookimpl(
+        lambda register: (
+            register("metric", "f1", Fancy),
+            register("norm", "other_norm", Fancy),
+        )
+    )
+)
+
+
+@pytest.mark.parametrize("user", ["aaa_user", "zzz_user"])
+def test_components_of_a_rolled_back_kind_go_whatever_the_order(monkeypatch, user):
+    real = [ep for ep in md.entry_points(group="llmkit") if ep.name == "builtin"]
+    fakes = [
+        _entry_point("partway", "tests.test_registry:PARTWAY_PLUGIN"),
+        _entry_point(user, "tests.test_registry:USES_METRIC"),
+    ]
+    monkeypatch.setattr(md, "entry_points", lambda group: real + fakes)
+    reg = Registry()
+    reg.load_entry_points(None)
+    assert [f.name for f in reg.failures()] == ["partway"]
+    assert reg.plugins[user].registered == ["norm.other_norm"]
+    assert reg.get("norm", "other_norm") and "metric.f1" not in reg.components
+    with pytest.raises(RegistryError, match="plugin 'partway'"):
+        reg.get("metric", "f1")
+
+
+def test_the_module_level_failure_hint_reads_the_process_registry():
+    from llmkit import registry as registry_module
+
+    reset_registry(registry_with(Partway()))
+    try:
+        assert registry_module.failure_hint("norm", "early_norm") == f"; {PARTWAY}"
+    finally:
+        reset_registry()
+
+
+# -- a registry file with a bad [winners] table ------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("winners = 5\n", '[winners] must be a table of "kind.name" = "distribution", got 5'),
+        ('[winners]\n"norm.dyt" = 5\n', '[winners] "norm.dyt": expected a distribution name'),
+        ('[winners]\n"norm.dyt" = ["a"]\n', '[winners] "norm.dyt": expected a distribution'),
+        ('[winners]\n"dyt" = "llmkit"\n', '[winners] "dyt": expected a key "kind.name"'),
+    ],
+    ids=["not-a-table", "a-number", "a-list", "no-kind"],
+)
+def test_a_bad_winners_table_is_one_line_naming_the_file_and_key(
+    tmp_path, monkeypatch, text, message
+):
+    from llmkit.registry import _load_winners
+
+    path = tmp_path / "mine.toml"
+    path.write_text(text)
+    monkeypatch.setenv("LLMKIT_REGISTRY", str(path))
+    with pytest.raises(RegistryError) as err:
+        _load_winners()
+    assert str(err.value).startswith(f"{path}: ") and message in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_a_bad_winners_table_is_a_one_line_cli_error(tmp_path, monkeypatch, capsys):
+    from llmkit.cli import main
+
+    path = tmp_path / "mine.toml"
+    path.write_text("winners = 5\n")
+    monkeypatch.setenv("LLMKIT_REGISTRY", str(path))
+    reset_registry()
+    try:
+        code = main(["list"])
+    finally:
+        reset_registry()
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "Traceback" not in err
+    assert str(path) in err and "[winners]" in err
+
+
+def test_an_unknown_spec_table_names_the_plugins_that_failed():
+    """A table whose kind only a failed plugin would have declared (``train.loss``) is an
+    unknown key; the error says which plugin failed."""
+    from llmkit.errors import SpecError
+    from llmkit.spec import resolve
+    from tests.helpers import tiny_spec
+
+    class ImportLike:
+        @hookimpl
+        def register_kinds(self, register):
+            raise ImportError("no module named 'losses'")
+
+    data = {**tiny_spec(), "train": {"loss": {"name": "z_loss"}}}
+    with pytest.raises(SpecError) as err:
+        resolve(data, registry=registry_with(ImportLike()))
+    msg = str(err.value)
+    assert "train.loss: unknown key" in msg and "plugin 'fake0' (fake-0) failed to load" in msg
+    with pytest.raises(SpecError) as err:
+        resolve(data, registry=registry_with())
+    assert "failed to load" not in str(err.value)

@@ -195,5 +195,15 @@ def configure_kernels(p: argparse.ArgumentParser) -> None:
 
 def run_kernels(args: argparse.Namespace) -> int:
     from llmkit.bench.kernels import run_cli
+    from llmkit.registry import get_registry
 
-    return run_cli(args)
+    try:
+        return run_cli(args)
+    except LlmkitError as exc:  # a kind a plugin that failed to load would have declared
+        reg = get_registry()
+        if args.kind in reg.kinds or "failed to load" in str(exc):
+            raise
+        hint = reg.failure_hint(args.kind)
+        if not hint:
+            raise
+        raise LlmkitError(f"{exc}{hint}") from exc

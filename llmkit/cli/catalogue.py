@@ -373,9 +373,21 @@ def configure_schema(p: argparse.ArgumentParser) -> None:
 
 
 def run_schema(args: argparse.Namespace) -> int:
+    from rich.markup import escape
+
     from llmkit.spec.schema import spec_schema
 
-    text = json.dumps(spec_schema(registry()), indent=2)
+    reg = registry()
+    warn_failures(reg)  # their components are missing from the schema
+    broken = reg.unloadable()
+    for rec, why in broken:  # one broken component module leaves only itself out
+        console(stderr=True).print(
+            f"[yellow]warning:[/] schema: left out {rec.kind} {rec.name!r} from "
+            f"{rec.provider}, which failed to load: {escape(why)}",
+            markup=True,
+            highlight=False,
+        )
+    text = json.dumps(spec_schema(reg.without(rec.key for rec, _ in broken)), indent=2)
     if args.output:
         with open(args.output, "w", encoding="utf-8") as fh:
             fh.write(text + "\n")

@@ -56,12 +56,20 @@ def _tokens(run: Any, data: str | None) -> tuple[Any, int | None, str]:
     from llmkit.components.dataset import read_utf8
 
     path = Path(data)
+    if path.is_dir():
+        raise LlmkitError(f"--data: {path} is a directory; expected a text file")
     if not path.is_file():
         raise LlmkitError(f"--data: file not found: {path}")
     text = read_utf8(path)
     if not text:
         raise LlmkitError(f"--data: {path} is empty")
-    tokens = torch.tensor(run.tokenizer.encode(text), dtype=torch.long)
+    ids = run.tokenizer.encode(text)
+    note = run.tokenizer.unknown_note(ids, str(path))
+    if note:
+        import logging
+
+        logging.getLogger("llmkit").info(f"--data: {note}")
+    tokens = torch.tensor(ids, dtype=torch.long)
     if tokens.numel() < 2:
         raise LlmkitError(f"--data: {path} has fewer than 2 tokens")
     return tokens, len(text.encode("utf-8")), str(path)

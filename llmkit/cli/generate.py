@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import sys
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -136,9 +137,20 @@ def _input_lines(banner: str, prompt: str) -> Iterator[str]:
         yield text
 
 
+def note_unknown(tokenizer: Any, text: str, where: str) -> None:
+    """Say in one line (``note: …``) how many characters of ``text`` the tokenizer does not
+    know (they become ``<unk>``, which a char tokenizer's model never learned to read)."""
+    if not text or not hasattr(tokenizer, "unknown_note"):
+        return
+    note = tokenizer.unknown_note(tokenizer.encode(text), where)
+    if note:
+        logging.getLogger("llmkit").info(note)
+
+
 def _interactive(gen: Any, sampling: Any, stream: bool) -> int:
     """One prompt per line (each continued on its own) until EOF or `exit`."""
     for prompt in _input_lines("llmkit generate: one prompt per line", "> "):
+        note_unknown(gen.tokenizer, prompt, "the prompt")
         if stream and sampling.num_beams == 1:
             _stream_one(gen, prompt, sampling)
         else:
@@ -177,6 +189,7 @@ def _chat(gen: Any, args: argparse.Namespace, sampling: Any, where: str) -> int:
     messages = [{"role": "system", "content": args.system}] if args.system else []
     stream = args.stream and not args.json
     if args.chat:
+        note_unknown(tokenizer, args.chat, "the message")
         messages.append({"role": "user", "content": args.chat})
         result = chat_reply(gen, messages, sampling, stream)
         if args.json:
@@ -193,6 +206,7 @@ def _chat(gen: Any, args: argparse.Namespace, sampling: Any, where: str) -> int:
     for text in _input_lines("llmkit generate --chat: one message per line", "you> "):
         if not text.strip():
             continue
+        note_unknown(tokenizer, text, "the message")
         messages.append({"role": "user", "content": text})
         result = chat_reply(gen, messages, sampling, stream)
         if not stream:
@@ -222,6 +236,8 @@ def run_generate(args: argparse.Namespace) -> int:
     if args.interactive:
         return _interactive(gen, sampling, args.stream)
     prompts = args.prompt or [""]
+    for i, prompt in enumerate(prompts):
+        note_unknown(gen.tokenizer, prompt, f"prompt {i + 1}" if len(prompts) > 1 else "the prompt")
     if args.stream and sampling.num_beams > 1:
         raise LlmkitError("--stream needs sampling or greedy decoding (--num-beams 1)")
     if args.stream and not args.json:

@@ -107,6 +107,31 @@ class Tokenizer:
         return self.tok.token_to_id(token)
 
     @property
+    def unk_id(self) -> int | None:
+        """The id text outside the vocabulary becomes (a char tokenizer's ``<unk>``); None
+        when every text is representable (byte-level BPE)."""
+        unk = getattr(self.tok.model, "unk_token", None)
+        return self.tok.token_to_id(unk) if isinstance(unk, str) else None
+
+    def count_unknown(self, ids: Iterable[int]) -> int:
+        """How many of ``ids`` are the unknown token: for a char tokenizer, the characters
+        of the encoded text that are not in its vocabulary."""
+        unk = self.unk_id
+        return 0 if unk is None else sum(1 for i in ids if int(i) == unk)
+
+    def unknown_note(self, ids: Iterable[int], where: str) -> str | None:
+        """A one-line note saying how much of the text encoded as ``ids`` (described by
+        ``where``) was outside the vocabulary; None when all of it was known."""
+        n = self.count_unknown(ids)
+        if not n:
+            return None
+        what = "character" if self.kind == "char" else "piece"
+        return (
+            f"{n:,} {what}{'s' if n != 1 else ''} of {where} {'are' if n != 1 else 'is'} "
+            f"not in the tokenizer's vocabulary and became {self.tok.id_to_token(self.unk_id)}"
+        )
+
+    @property
     def eos_token(self) -> str | None:
         """The text of the EOS token, if there is one."""
         i = self.eos_id

@@ -8,6 +8,7 @@ to the number of tokens). Plain text has neither.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 from collections.abc import Iterable
@@ -132,6 +133,27 @@ def sidecar(path: Path) -> Path:
     return path.with_suffix(".json")
 
 
+def _write(f: Any, arr: np.ndarray, dtype: np.dtype) -> None:
+    """Write ``arr`` as ``dtype`` through the file object, whose errors keep their errno
+    (``ndarray.tofile`` reports a full disk as "N requested and M written")."""
+    f.write(np.ascontiguousarray(arr.astype(dtype, copy=False)).tobytes())
+
+
+def _raise_if_full(exc: OSError, path: Path) -> None:
+    """A full disk or quota as one line naming the file and the disk (the partial files
+    are removed by the caller)."""
+    if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+        return
+    p = Path(os.path.abspath(path))
+    disk = p.parent
+    while not os.path.ismount(disk) and disk != disk.parent:
+        disk = disk.parent
+    raise LlmkitError(
+        f"no space left on device writing {path} (the disk mounted at {disk} is full); "
+        "the partial file was removed"
+    ) from exc
+
+
 def write_token_file(
     chunks: Iterable[np.ndarray], path: str | Path, dtype: np.dtype, meta: dict[str, Any]
 ) -> TokenFile:
@@ -148,11 +170,14 @@ def write_token_file(
                 arr = np.asarray(chunk)
                 if arr.size and int(arr.max()) > np.iinfo(dtype).max:
                     raise LlmkitError(f"token id {int(arr.max())} does not fit {dtype}")
-                arr.astype(dtype, copy=False).tofile(f)
+                _write(f, arr, dtype)
                 n += arr.size
         side_tmp.write_text(json.dumps({**meta, "tokens": n, "dtype": dtype.name}, indent=1))
         os.replace(tmp, path)
         os.replace(side_tmp, sidecar(path))
+    except OSError as exc:
+        _raise_if_full(exc, path)
+        raise
     finally:
         tmp.unlink(missing_ok=True)
         side_tmp.unlink(missing_ok=True)
@@ -187,15 +212,18 @@ def write_masked_token_file(
                     raise ValueError("ids, mask and document lengths disagree")
                 if ids.size and int(ids.max()) > np.iinfo(dtype).max:
                     raise LlmkitError(f"token id {int(ids.max())} does not fit {dtype}")
-                ids.astype(dtype, copy=False).tofile(f_ids)
-                mask.astype(np.uint8, copy=False).tofile(f_mask)
-                (n + np.cumsum(lengths)).tofile(f_docs)
+                _write(f_ids, ids, dtype)
+                _write(f_mask, mask, np.dtype(np.uint8))
+                _write(f_docs, n + np.cumsum(lengths), np.dtype(np.int64))
                 n += ids.size
                 n_docs += lengths.size
         side = {**meta, "tokens": n, "dtype": dtype.name, "mask": True, "documents": n_docs}
         tmps[3].write_text(json.dumps(side, indent=1))
         for tmp, final in zip(tmps, finals):
             os.replace(tmp, final)
+    except OSError as exc:
+        _raise_if_full(exc, path)
+        raise
     finally:
         for tmp in tmps:
             tmp.unlink(missing_ok=True)

@@ -4,7 +4,7 @@ Layout of ``<run>/checkpoints/``::
 
     step-000400/model.safetensors   weights
     step-000400/state.pt            optimizer, data position, RNG, counters (weights_only)
-    step-000400/meta.json           step, val loss, time
+    step-000400/meta.json           step, val loss, time, SHA-256 of every other file
     step-000400/rank-00001.pt       each rank's RNG state (multi-process runs)
     step-000400/dcp/                model + optimizer shards (FSDP, torch.distributed.checkpoint)
     latest.json, best.json          pointers, each replaced atomically
@@ -13,15 +13,21 @@ A checkpoint directory is written under a temporary name and renamed into place,
 pointer is replaced with ``os.replace``: a crash at any moment leaves the previous
 ``latest`` intact and loadable. In a multi-process run every rank writes its part into the
 temporary directory, and rank 0 renames it only after all ranks are done (a barrier).
+Running out of space while writing raises :class:`NoSpaceLeft` naming the file, after the
+temporary directory is removed. Files are created with the usual permissions (the umask).
+Nothing here unpickles: ``state.pt`` and rank files load with ``weights_only=True``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import hashlib
 import json
 import os
 import random
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +43,98 @@ WEIGHTS = "model.safetensors"
 STATE = "state.pt"
 META = "meta.json"
 SHARDS = "dcp"
+#: The key of ``meta.json`` holding the SHA-256 of each file, by path inside the checkpoint.
+CHECKSUMS = "files"
+
+
+class NoSpaceLeft(LlmkitError):
+    """A write failed because the disk (or the user's quota) is full."""
+
+
+def no_space(exc: BaseException) -> bool:
+    """Whether ``exc`` reports a full disk or quota: an ``OSError`` with ENOSPC/EDQUOT, or a
+    library's error quoting one (safetensors: "No space left on device (os error 28)")."""
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    text = str(exc)
+    return any(m in text for m in ("No space left on device", "os error 28", "quota exceeded"))
+
+
+def mount_point(path: Path) -> Path:
+    """The mount point of the file system holding ``path`` (or its nearest existing parent)."""
+    p = Path(os.path.abspath(path))
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    while not os.path.ismount(p) and p != p.parent:
+        p = p.parent
+    return p
+
+
+def no_space_message(path: Path) -> str:
+    """``no space left on device writing PATH (the disk mounted at M is full)``."""
+    disk = mount_point(path)
+    return f"no space left on device writing {path} (the disk mounted at {disk} is full)"
+
+
+@contextlib.contextmanager
+def writing(path: Path) -> Iterator[None]:
+    """Turn a full-disk error raised in the body into :class:`NoSpaceLeft` naming ``path``."""
+    try:
+        yield
+    except NoSpaceLeft:
+        raise
+    except Exception as exc:
+        if not no_space(exc):
+            raise
+        raise NoSpaceLeft(no_space_message(path)) from exc
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def as_umask_allows(path: Path) -> None:
+    """Give ``path`` the permissions a new file gets (0644 under umask 022): safetensors
+    creates its files 0600."""
+    os.chmod(path, 0o666 & ~_umask())
+
+
+class _KeepsError:
+    """A binary file for ``torch.save`` that keeps the ``OSError`` of a failed write: torch
+    reports one only as a RuntimeError without its errno."""
+
+    def __init__(self, fh: Any) -> None:
+        self.fh = fh
+        self.error: OSError | None = None
+
+    def write(self, data: Any) -> int:
+        try:
+            return self.fh.write(data)
+        except OSError as exc:
+            self.error = exc
+            raise
+
+    def flush(self) -> None:
+        self.fh.flush()
+
+
+def save_tensors(obj: Any, path: Path) -> None:
+    """``torch.save(obj, path)``; a full disk raises :class:`NoSpaceLeft` naming ``path``."""
+    with writing(path), open(path, "wb") as fh:
+        out = _KeepsError(fh)
+        try:
+            torch.save(obj, out)
+        except Exception as exc:
+            if out.error is not None:
+                raise out.error from exc
+            raise
+
+
+def sha256(path: Path) -> str:
+    with open(path, "rb") as fh:
+        return hashlib.file_digest(fh, "sha256").hexdigest()
 
 
 def rank_file(rank: int) -> str:
@@ -45,9 +143,15 @@ def rank_file(rank: int) -> str:
 
 
 def write_json_atomic(path: Path, data: Any) -> None:
+    """Write JSON under a temporary name, then rename; :class:`NoSpaceLeft` on a full disk
+    (the temporary file removed)."""
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    os.replace(tmp, path)
+    try:
+        with writing(path):
+            tmp.write_text(json.dumps(data, indent=2) + "\n")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 #: safetensors metadata key marking a file that holds only a run's trainable adapter state.
@@ -59,17 +163,26 @@ def write_weights(model: nn.Module, path: Path) -> None:
     trainable state (the adapters and ``also_train``), marked as such."""
     from llmkit.model.adapters import has_adapters, trainable_state
 
-    if has_adapters(model):
-        save_file(trainable_state(model), str(path), metadata={ADAPTER_MARK: "1"})
-    else:
-        save_model(model, str(path))
+    with writing(path):
+        if has_adapters(model):
+            save_file(trainable_state(model), str(path), metadata={ADAPTER_MARK: "1"})
+        else:
+            save_model(model, str(path))
+    as_umask_allows(path)
 
 
 def save_weights(model: nn.Module, path: Path) -> None:
-    """:func:`write_weights`, atomically."""
+    """:func:`write_weights`, atomically: a failed write (a full disk: :class:`NoSpaceLeft`
+    naming ``path``) leaves the previous file and no temporary."""
     tmp = path.with_name(f".{path.name}.tmp")
-    write_weights(model, tmp)
-    os.replace(tmp, path)
+    try:
+        try:
+            write_weights(model, tmp)
+        except NoSpaceLeft as exc:
+            raise NoSpaceLeft(f"{no_space_message(path)}; nothing was written") from exc
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 class DamagedCheckpoint(LlmkitError):
@@ -222,16 +335,34 @@ class Checkpoints:
                 shutil.rmtree(tmp)
             tmp.mkdir()
         _barrier(dist)
-        if write_shards is not None:
-            write_shards(tmp / SHARDS)
-        if rank_state is not None:
-            torch.save(rank_state, tmp / rank_file(dist.rank if dist is not None else 0))
-        if main:
-            if model is not None:
-                write_weights(model, tmp / WEIGHTS)
-            torch.save(state, tmp / STATE)
-            (tmp / META).write_text(json.dumps({"step": step, **meta}, indent=2) + "\n")
-        _barrier(dist)  # every rank's files are in place
+        try:
+            if write_shards is not None:
+                with writing(tmp / SHARDS):
+                    write_shards(tmp / SHARDS)
+            if rank_state is not None:
+                save_tensors(rank_state, tmp / rank_file(dist.rank if dist is not None else 0))
+            if main:
+                if model is not None:
+                    write_weights(model, tmp / WEIGHTS)
+                save_tensors(state, tmp / STATE)
+            _barrier(dist)  # every rank's files are in place
+            if main:
+                sums = {
+                    p.relative_to(tmp).as_posix(): sha256(p)
+                    for p in sorted(tmp.rglob("*"))
+                    if p.is_file() and p.name != META
+                }
+                with writing(tmp / META):
+                    text = json.dumps({"step": step, **meta, CHECKSUMS: sums}, indent=2)
+                    (tmp / META).write_text(text + "\n")
+        except BaseException as exc:
+            if main:
+                shutil.rmtree(tmp, ignore_errors=True)
+            if isinstance(exc, NoSpaceLeft):
+                previous = self.latest()
+                kept = f"{previous.name} is still the latest" if previous else "none was saved"
+                raise NoSpaceLeft(f"{exc}; checkpoint {name} not written ({kept})") from exc
+            raise
         if main:
             if final.exists():
                 shutil.rmtree(final)
@@ -242,6 +373,18 @@ class Checkpoints:
             self._prune()
         _barrier(dist)  # nobody reads `latest` before it moved
         return final
+
+    def pointer_problem(self, which: str = "latest") -> str | None:
+        """Why ``<which>.json`` cannot be followed (missing, damaged, names a directory that
+        is gone), or None when it can — or when there is no checkpoint at all."""
+        if not self.steps():
+            return None
+        path = self.dir / f"{which}.json"
+        if not path.is_file():
+            return f"{path} is missing"
+        if self._pointer(which) is None:
+            return f"{path} is damaged or names a checkpoint that is gone"
+        return None
 
     def _pointer(self, which: str) -> Path | None:
         """The directory ``<which>.json`` names; None when it is missing, damaged or names a
@@ -300,6 +443,54 @@ def load_state(ckpt_dir: Path) -> dict[str, Any]:
     if not path.is_file():
         raise DamagedCheckpoint(f"checkpoint {ckpt_dir} has no {STATE}")
     return load_tensors(path, "trainer state")
+
+
+def read_meta(ckpt_dir: Path) -> dict[str, Any]:
+    """A checkpoint's ``meta.json``; :class:`DamagedCheckpoint` when missing or unreadable."""
+    path = ckpt_dir / META
+    try:
+        meta = json.loads(path.read_text())
+    except FileNotFoundError as exc:
+        raise DamagedCheckpoint(f"checkpoint {ckpt_dir} has no {META}") from exc
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise DamagedCheckpoint(f"{path}: unreadable ({_why(exc)})") from exc
+    if not isinstance(meta, dict):
+        raise DamagedCheckpoint(f"{path}: not a JSON object")
+    return meta
+
+
+def verify_files(ckpt_dir: Path, names: Iterable[str]) -> None:
+    """Check each file ``names`` lists (paths inside the checkpoint; absent files are left to
+    their reader) against the SHA-256 ``meta.json`` recorded when the checkpoint was written:
+    :class:`DamagedCheckpoint` naming the first that differs. Checkpoints written before
+    checksums were recorded pass unchecked."""
+    meta = read_meta(ckpt_dir)
+    if CHECKSUMS not in meta:
+        return
+    sums = meta[CHECKSUMS]
+    if not isinstance(sums, dict):
+        raise DamagedCheckpoint(f"{ckpt_dir / META}: {CHECKSUMS!r} is not a table of checksums")
+    for name in names:
+        path = ckpt_dir / name
+        if not path.is_file():
+            continue
+        want = sums.get(name)
+        if want is None:
+            raise DamagedCheckpoint(f"{path}: not a file this checkpoint was written with")
+        if sha256(path) != want:
+            raise DamagedCheckpoint(
+                f"{path}: contents differ from the SHA-256 in {META} (changed or damaged "
+                "after it was written)"
+            )
+
+
+def shard_files(ckpt_dir: Path) -> list[str]:
+    """The files of the checkpoint's FSDP shards (``dcp/``), by path inside the checkpoint."""
+    return [
+        p.relative_to(ckpt_dir).as_posix()
+        for p in sorted((ckpt_dir / SHARDS).rglob("*"))
+        if p.is_file()
+    ]
 
 
 def load_tensors(path: Path, what: str) -> Any:

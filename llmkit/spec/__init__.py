@@ -5,6 +5,8 @@ in two passes against the registry, and resolved into components.
 - :mod:`llmkit.spec.sections`: the component tables each registered kind declares;
 - :mod:`llmkit.spec.files`: reading files, ``extends`` chains, presets and ``--set``;
 - :mod:`llmkit.spec.resolve`: two-pass resolution and cross-component checks;
+- :mod:`llmkit.spec.limits`: checks of the whole spec that need no data (sizes, schedule,
+  BPE vocabulary), and fitting the warmup to a shorter ``--max-steps``;
 - :mod:`llmkit.spec.resolved`: the resolved form (:class:`ResolvedSpec`, :class:`LayerPlan`);
 - :mod:`llmkit.spec.schema`: the JSON Schema of a spec, one branch per registered component.
 """
@@ -18,6 +20,7 @@ from llmkit.spec.files import (
     presets,
     read_spec_file,
 )
+from llmkit.spec.limits import MAX_PARAMETERS, estimate_parameters, fit_warmup
 from llmkit.spec.models import (
     ComponentRef,
     DataSpec,
@@ -34,6 +37,7 @@ from llmkit.spec.resolved import LayerPlan, Resolved, ResolvedSpec
 from llmkit.spec.sections import layer_kinds, spec_kinds
 
 __all__ = [
+    "MAX_PARAMETERS",
     "PRESETS_DIR",
     "ComponentRef",
     "DataSpec",
@@ -49,6 +53,8 @@ __all__ = [
     "TrainSpec",
     "acts_on",
     "apply_override",
+    "estimate_parameters",
+    "fit_warmup",
     "layer_kinds",
     "load_raw",
     "load_spec",

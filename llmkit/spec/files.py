@@ -13,8 +13,21 @@ from llmkit.errors import LlmkitError, SpecError
 PRESETS_DIR = Path(__file__).with_name("presets")
 
 
+#: Nesting deeper than this is refused: no spec needs it, and deeper input only exhausts the
+#: parser's (or the validator's) recursion.
+MAX_DEPTH = 32
+#: The most YAML nodes a document may expand to once its aliases are followed; anchors and
+#: aliases within it are fine, an alias bomb ("billion laughs") is refused while parsing.
+MAX_YAML_NODES = 100_000
+
+
 def read_spec_file(path: str | Path) -> dict[str, Any]:
-    """Parse a TOML or YAML file into a dict."""
+    """Parse a TOML or YAML file into a dict.
+
+    Refused, each in one line naming the file: invalid syntax (in the file's own format),
+    YAML duplicate keys, YAML aliases that expand past :data:`MAX_YAML_NODES` nodes, and
+    nesting deeper than :data:`MAX_DEPTH`.
+    """
     p = Path(path)
     if not p.is_file():
         raise LlmkitError(f"spec file not found: {p}")
@@ -23,24 +36,130 @@ def read_spec_file(path: str | Path) -> dict[str, Any]:
     except UnicodeDecodeError as exc:
         raise LlmkitError(f"{p}: not UTF-8 text (byte {exc.start}: {exc.reason})") from exc
     suffix = p.suffix.lower()
-    try:
-        if suffix == ".toml":
-            data = tomllib.loads(text)
-        elif suffix in (".yaml", ".yml"):
-            import yaml
-
-            data = yaml.safe_load(text) or {}
-        else:
-            raise LlmkitError(f"{p}: unknown spec format {suffix!r} (use .toml, .yaml or .yml)")
-    except tomllib.TOMLDecodeError as exc:
-        raise LlmkitError(f"{p}: invalid TOML: {exc}") from exc
-    except Exception as exc:
-        if isinstance(exc, LlmkitError):
-            raise
-        raise LlmkitError(f"{p}: invalid YAML: {str(exc).splitlines()[0]}") from exc
+    if suffix == ".toml":
+        data = _parse_toml(text, p)
+    elif suffix in (".yaml", ".yml"):
+        data = _parse_yaml(text, p)
+    else:
+        raise LlmkitError(f"{p}: unknown spec format {suffix!r} (use .toml, .yaml or .yml)")
     if not isinstance(data, dict):
         raise LlmkitError(f"{p}: a spec must be a table/mapping at the top level")
+    _check_depth(data, p)
     return data
+
+
+def _parse_toml(text: str, p: Path) -> Any:
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise LlmkitError(f"{p}: invalid TOML: {exc}") from exc
+    except RecursionError as exc:
+        raise LlmkitError(f"{p}: invalid TOML: nested more than {MAX_DEPTH} levels deep") from exc
+
+
+def _parse_yaml(text: str, p: Path) -> Any:
+    import yaml
+
+    try:
+        return yaml.load(text, Loader=_spec_yaml_loader()) or {}
+    except RecursionError as exc:
+        raise LlmkitError(f"{p}: invalid YAML: nested more than {MAX_DEPTH} levels deep") from exc
+    except yaml.YAMLError as exc:
+        raise LlmkitError(f"{p}: invalid YAML: {_yaml_message(exc)}") from exc
+
+
+def _yaml_message(exc: Exception) -> str:
+    """A PyYAML error as one line: the problem and where it is."""
+    problem = getattr(exc, "problem", None)
+    mark = getattr(exc, "problem_mark", None)
+    if problem and mark is not None:
+        return f"{problem} (line {mark.line + 1}, column {mark.column + 1})"
+    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+
+
+def _check_depth(data: Any, p: Path) -> None:
+    """Refuse nesting deeper than :data:`MAX_DEPTH` (iteratively: no recursion to exhaust)."""
+    stack: list[tuple[Any, int]] = [(data, 1)]
+    seen: set[int] = set()
+    while stack:
+        node, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise LlmkitError(f"{p}: nested more than {MAX_DEPTH} levels deep")
+        if isinstance(node, dict | list) and id(node) not in seen:
+            seen.add(id(node))  # a shared (aliased) table is walked once
+            children = node.values() if isinstance(node, dict) else node
+            stack.extend((c, depth + 1) for c in children)
+
+
+_LOADER: type | None = None
+
+
+def _spec_yaml_loader() -> type:
+    """PyYAML's safe loader, stricter: duplicate keys are errors (TOML refuses them too), and
+    a document whose aliases expand past :data:`MAX_YAML_NODES` nodes is refused while it
+    is composed, before anything is built from it. Anchors and aliases are otherwise kept
+    (the run directories' ``spec.yaml`` files use them for shared tables)."""
+    global _LOADER
+    if _LOADER is not None:
+        return _LOADER
+    import yaml
+    from yaml.events import AliasEvent
+    from yaml.nodes import MappingNode, Node, SequenceNode
+
+    class SpecLoader(yaml.SafeLoader):
+        def __init__(self, stream: str) -> None:
+            super().__init__(stream)
+            self._sizes: dict[int, int] = {}
+
+        def compose_node(self, parent: Node | None, index: Any) -> Node:
+            alias = self.check_event(AliasEvent)
+            node = super().compose_node(parent, index)
+            key = id(node)
+            if alias:
+                if key not in self._sizes:  # an alias of a node still being composed
+                    raise yaml.YAMLError(
+                        f"recursive alias (line {node.start_mark.line + 1}): "
+                        "a value cannot contain itself"
+                    )
+                return node
+            if isinstance(node, MappingNode):
+                children = [n for pair in node.value for n in pair]
+            elif isinstance(node, SequenceNode):
+                children = list(node.value)
+            else:
+                children = []
+            size = 1
+            for child in children:
+                size += self._sizes[id(child)]
+            if size > MAX_YAML_NODES:
+                raise yaml.YAMLError(
+                    f"aliases expand to more than {MAX_YAML_NODES:,} values (line "
+                    f"{node.start_mark.line + 1}); write the values out, or use fewer aliases"
+                )
+            self._sizes[key] = size
+            return node
+
+        def construct_mapping(self, node: Node, deep: bool = False) -> dict[Any, Any]:
+            if isinstance(node, MappingNode):
+                first: dict[Any, int] = {}
+                for key_node, _ in node.value:
+                    if key_node.tag == "tag:yaml.org,2002:merge":
+                        continue  # `<<: *base` may be overridden by the keys beside it
+                    key = self.construct_object(key_node, deep=deep)
+                    try:
+                        earlier = first.get(key)
+                    except TypeError:
+                        continue  # an unhashable key: the base class reports it
+                    line = key_node.start_mark.line + 1
+                    if earlier is not None:
+                        raise yaml.YAMLError(
+                            f"duplicate key {key!r} at line {line} (first at line {earlier})"
+                        )
+                    first[key] = line
+            return super().construct_mapping(node, deep=deep)
+
+    _LOADER = SpecLoader
+    return SpecLoader
 
 
 def presets() -> dict[str, Path]:

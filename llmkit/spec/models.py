@@ -7,13 +7,28 @@ not fields here: each kind declares its section in the registry, and
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+#: Upper bounds on sizes (see docs/training.md, "What a spec may not do"): far above any model
+#: llmkit trains, low enough that a typo fails in validation instead of in an allocation.
+MAX_VOCAB = 2**24
+MAX_WIDTH = 2**16  # d_model
+MAX_LAYERS = 1024
+MAX_HEADS = 1024
+MAX_HEAD_DIM = 2**14
+MAX_SEQ_LEN = 2**20
+MAX_BATCH = 2**20
+#: The devices training can use: auto, cpu, cuda, cuda:N, mps.
+DEVICE_PATTERN = re.compile(r"auto|cpu|mps|cuda(:\d+)?")
+
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    """A spec table: unknown keys and non-finite floats (inf, nan) are refused."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class ComponentRef(BaseModel):
@@ -30,6 +45,15 @@ class ComponentRef(BaseModel):
 LayerSelector = list[int] | str
 
 
+def is_layer_selector(value: Any) -> bool:
+    """Whether ``value`` has a selector's form: a list of integers, or a string."""
+    if isinstance(value, str):
+        return True
+    return isinstance(value, list) and all(
+        isinstance(i, int) and not isinstance(i, bool) for i in value
+    )
+
+
 class LayerOverride(Strict):
     """Replace components on selected layers.
 
@@ -39,19 +63,35 @@ class LayerOverride(Strict):
 
     layers: LayerSelector = Field(description="Indices [0, 3] or a slice 'start:stop:step'.")
 
+    @field_validator("layers", mode="before")
+    @classmethod
+    def _selector(cls, value: Any) -> Any:
+        if not is_layer_selector(value):
+            raise ValueError(
+                "expected a list of layer indices such as [0, 3] or a slice string such as "
+                f"'2:' or '::2', not {value!r}"[:200]
+            )
+        return value
+
 
 class ModelSpec(Strict):
     """The architecture."""
 
-    vocab_size: int = Field(50304, gt=0, description="Vocabulary size (embedding rows).")
-    d_model: int = Field(gt=0, description="Residual-stream width.")
-    n_layers: int = Field(gt=0, description="Number of Transformer blocks.")
-    n_heads: int = Field(gt=0, description="Query heads.")
-    n_kv_heads: int | None = Field(
-        None, gt=0, description="Key/value heads (GQA; 1 = MQA); default n_heads."
+    vocab_size: int = Field(
+        50304, gt=0, le=MAX_VOCAB, description="Vocabulary size (embedding rows)."
     )
-    head_dim: int | None = Field(None, gt=0, description="Per-head size; default d_model/n_heads.")
-    max_seq_len: int = Field(1024, gt=0, description="Longest context the model is built for.")
+    d_model: int = Field(gt=0, le=MAX_WIDTH, description="Residual-stream width.")
+    n_layers: int = Field(gt=0, le=MAX_LAYERS, description="Number of Transformer blocks.")
+    n_heads: int = Field(gt=0, le=MAX_HEADS, description="Query heads.")
+    n_kv_heads: int | None = Field(
+        None, gt=0, le=MAX_HEADS, description="Key/value heads (GQA; 1 = MQA); default n_heads."
+    )
+    head_dim: int | None = Field(
+        None, gt=0, le=MAX_HEAD_DIM, description="Per-head size; default d_model/n_heads."
+    )
+    max_seq_len: int = Field(
+        1024, gt=0, le=MAX_SEQ_LEN, description="Longest context the model is built for."
+    )
     dropout: float = Field(0.0, ge=0, lt=1, description="Embedding and residual dropout.")
     bias: bool = Field(True, description="Biases in linear layers (and norms that take one).")
     tie_embeddings: bool = Field(True, description="Share input embedding and output head.")
@@ -98,7 +138,7 @@ class TokenizerSpec(Strict):
         None, description="A pre-trained tokenizer.json to use instead of training one."
     )
     vocab_size: int | None = Field(
-        None, gt=0, description="BPE vocabulary size; default model.vocab_size."
+        None, gt=0, le=MAX_VOCAB, description="BPE vocabulary size; default model.vocab_size."
     )
     special_tokens: list[str] = Field(
         default_factory=lambda: ["<|endoftext|>"],
@@ -159,7 +199,7 @@ class TrainSpec(Strict):
     """The training recipe besides optimizer and schedule."""
 
     batch_size: int = Field(
-        16, gt=0, description="Sequences per micro-batch on each process (rank)."
+        16, gt=0, le=MAX_BATCH, description="Sequences per micro-batch on each process (rank)."
     )
     grad_accum: int = Field(1, gt=0, description="Micro-batches per optimizer step.")
     max_steps: int = Field(1000, gt=0, description="Optimizer steps (the schedule's length).")
@@ -168,7 +208,7 @@ class TrainSpec(Strict):
     precision: Literal["auto", "fp32", "bf16", "fp16"] = Field(
         "auto", description="auto = bf16 autocast where the hardware has it, else fp32."
     )
-    device: str = Field("auto", description="auto (cuda, mps, cpu) or a torch device string.")
+    device: str = Field("auto", description="auto (cuda, mps, cpu), cpu, cuda, cuda:N or mps.")
     compile: bool = Field(False, description="Wrap the model in torch.compile.")
     activation_checkpointing: bool = Field(
         False, description="Recompute each block's activations in backward."
@@ -217,6 +257,16 @@ class TrainSpec(Strict):
         description="init_from: allow a different vocabulary size (shared rows are copied, "
         "new rows keep their fresh initialisation).",
     )
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, value: str) -> str:
+        if not DEVICE_PATTERN.fullmatch(value):
+            raise ValueError(
+                f"{value[:40]!r} is not a device training can use; "
+                "use auto, cpu, cuda, cuda:N or mps"
+            )
+        return value
 
 
 class Spec(Strict):

@@ -15,7 +15,15 @@ from pydantic import ValidationError
 
 from llmkit.errors import RegistryError, SpecError
 from llmkit.spec.files import apply_override, load_raw
-from llmkit.spec.models import ComponentRef, LayerSelector, ModelSpec, Spec
+from llmkit.spec.limits import recipe_problems, size_problems
+from llmkit.spec.models import (
+    MAX_LAYERS,
+    ComponentRef,
+    LayerSelector,
+    ModelSpec,
+    Spec,
+    is_layer_selector,
+)
 from llmkit.spec.problems import _pydantic_problems
 from llmkit.spec.resolved import LayerPlan, Resolved, ResolvedSpec
 from llmkit.spec.sections import (
@@ -31,11 +39,17 @@ from llmkit.spec.sections import (
 def load_spec(
     path: str | Path, overrides: list[str] | None = None, registry: Any = None
 ) -> ResolvedSpec:
-    """Load, merge, override, validate and resolve a spec file."""
+    """Load, merge, override, validate and resolve a spec file; then check it as a training
+    recipe (:func:`llmkit.spec.limits.recipe_problems`: what training would refuse before
+    reading data), which in-memory specs describing only a model are spared."""
     data = load_raw(path)
     for assignment in overrides or []:
         apply_override(data, assignment)
-    return resolve(data, source=str(path), registry=registry)
+    rs = resolve(data, source=str(path), registry=registry)
+    problems = recipe_problems(rs)
+    if problems:
+        raise SpecError(problems, str(path))
+    return rs
 
 
 def load_spec_dict(
@@ -166,7 +180,11 @@ def resolve(data: dict[str, Any], source: str | None = None, registry: Any = Non
     try:
         spec = spec_cls.model_validate(data)
     except ValidationError as exc:
-        problems += _pydantic_problems(exc, (), spec_cls)
+        found = _pydantic_problems(exc, (), spec_cls)
+        hint = getattr(registry, "failure_hint", None)  # a table a failed plugin's kind adds
+        if hint is not None:
+            found = [f"{p}{hint()}" if ": unknown key" in p else p for p in found]
+        problems += found
 
     r = _Resolver(registry)
     raw_model = data.get("model") if isinstance(data.get("model"), dict) else {}
@@ -178,12 +196,14 @@ def resolve(data: dict[str, Any], source: str | None = None, registry: Any = Non
         if not kind.per_layer and raw is not None:
             components[kind.section] = r.ref(kind.name, raw, kind.section)
 
-    n_layers = raw_model.get("n_layers") if isinstance(raw_model.get("n_layers"), int) else 0
+    n_layers = raw_model.get("n_layers")
+    if not isinstance(n_layers, int) or not 0 < n_layers <= MAX_LAYERS:
+        n_layers = 0  # pass one reports it; no list of a billion layers is made here
     per_layer: list[dict[str, Resolved | None]] = [dict(base) for _ in range(max(n_layers, 0))]
     raw_overrides = raw_model.get("overrides", [])
     for i, ov in enumerate(raw_overrides if isinstance(raw_overrides, list) else []):
-        if not isinstance(ov, dict) or "layers" not in ov:
-            continue
+        if not isinstance(ov, dict) or not is_layer_selector(ov.get("layers")):
+            continue  # pass one reports it
         path = f"model.overrides[{i}]"
         try:
             chosen = select_layers(ov["layers"], n_layers)
@@ -212,6 +232,7 @@ def resolve(data: dict[str, Any], source: str | None = None, registry: Any = Non
             problems.append(
                 f"data.block_size: {block} exceeds model.max_seq_len ({spec.model.max_seq_len})"
             )
+        problems += size_problems(spec, layers)
     if problems:
         raise SpecError(problems, source)
     assert spec is not None

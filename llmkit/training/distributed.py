@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import pickle
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -142,16 +143,138 @@ def save_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, path: str) 
     dcp.save(sharded_state(model, optimizer), checkpoint_id=path)
 
 
+#: The opt-in to read FSDP shards (``dcp/``), whose metadata file is a pickle.
+TRUST_ENV = "LLMKIT_TRUST_CHECKPOINTS"
+
+
+def trusts_checkpoints() -> bool:
+    """Whether the user opted in (``LLMKIT_TRUST_CHECKPOINTS=1``) to reading FSDP shards."""
+    return os.environ.get(TRUST_ENV, "") == "1"
+
+
+#: What ``dcp/.metadata`` may name: torch.distributed.checkpoint's metadata records, tensor
+#: sizes, dtypes and layouts, and paths. Anything else is refused before it is looked up.
+_METADATA_CLASSES = {
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata",
+        "MetadataIndex",
+        "StorageMeta",
+        "TensorProperties",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "_MEM_FORMAT_ENCODING",
+    },
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},
+    "torch": {"Size"},
+    "pathlib": {"Path", "PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},
+    "collections": {"OrderedDict"},
+}
+
+
+class MetadataUnpickler(pickle.Unpickler):
+    """Unpickles ``dcp/.metadata`` allowing only :data:`_METADATA_CLASSES` and torch dtypes:
+    a planted ``__reduce__`` calling anything else fails with :class:`pickle.UnpicklingError`."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        allowed = name in _METADATA_CLASSES.get(module, ())
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            allowed = True
+        if not allowed:
+            raise pickle.UnpicklingError(f"{module}.{name} is not allowed in checkpoint metadata")
+        return super().find_class(module, name)
+
+
+def _restricted_reader(path: str) -> Any:
+    """A ``FileSystemReader`` whose metadata goes through :class:`MetadataUnpickler`."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class Reader(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            rank = kwargs.get("rank")
+            name = ".metadata" if rank is None else f"__{rank}.metadata"
+            with open(os.path.join(str(self.path), name), "rb") as fh:
+                metadata = MetadataUnpickler(fh).load()
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return Reader(path)
+
+
+def _tensor_only_planner() -> Any:
+    """A ``DefaultLoadPlanner`` whose non-tensor items (optimizer hyperparameters) load with
+    ``torch.load(weights_only=True)`` instead of a plain unpickling."""
+    import io
+
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+    from torch.distributed.checkpoint._traverse import set_element
+
+    class Planner(DefaultLoadPlanner):
+        def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+            obj = torch.load(value, weights_only=True)
+            fqn = read_item.dest_index.fqn
+            if self.flatten_state_dict:
+                set_element(self.original_state_dict, self.mappings[fqn], obj)
+            else:
+                self.state_dict[fqn] = obj
+
+    return Planner()
+
+
 def load_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, path: str) -> None:
-    """Load shards saved by :func:`save_sharded` on any number of ranks (resharding)."""
+    """Load shards saved by :func:`save_sharded` on any number of ranks (resharding). Only
+    with the opt-in (:func:`trusts_checkpoints`): the metadata is unpickled by
+    :class:`MetadataUnpickler`, every other item with ``weights_only=True``."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
+    if not trusts_checkpoints():
+        raise LlmkitError(
+            f"{path}: FSDP shards are read by unpickling their metadata; set "
+            f"{TRUST_ENV}=1 to read them if you trust this run directory"
+        )
+    metadata = os.path.join(path, ".metadata")
+    try:
+        with open(metadata, "rb") as fh:  # checked first, for a one-line refusal
+            MetadataUnpickler(fh).load()
+    except (pickle.UnpicklingError, EOFError, ValueError, AttributeError) as exc:
+        raise LlmkitError(f"{metadata}: not read ({exc})") from exc
     state = sharded_state(model, optimizer)
-    dcp.load(state, checkpoint_id=path)
+    dcp.load(state, storage_reader=_restricted_reader(path), planner=_tensor_only_planner())
     set_state_dict(
         model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
     )
+
+
+def full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """An FSDP-sharded optimizer's whole state on CPU on rank 0, keyed by parameter name
+    (empty elsewhere); every rank calls it (the shards are gathered)."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_optimizer_state_dict,
+    )
+
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_optimizer_state_dict(model, optimizer, options=opts)
+
+
+def optimizer_state_by_index(saved: dict[str, Any]) -> dict[str, Any]:
+    """A state of :func:`full_optimizer_state` (parameters named) in the form
+    ``Optimizer.load_state_dict`` takes (parameters numbered in group order, as saved)."""
+    state, groups, index = {}, [], 0
+    for group in saved["param_groups"]:
+        ids = []
+        for name in group["params"]:
+            if name in saved["state"]:
+                state[index] = saved["state"][name]
+            ids.append(index)
+            index += 1
+        groups.append({**group, "params": ids})
+    return {"state": state, "param_groups": groups}
 
 
 def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:

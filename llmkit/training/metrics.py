@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any
+
+from llmkit.runs.checkpoints import writing
 
 #: During training the loss curve is redrawn at a checkpoint only if this many seconds passed
 #: since the last drawing (a drawing costs ≈ 0.3 s on a 2-core CPU); it is always drawn at
@@ -26,8 +29,12 @@ class MetricsLog:
             return
         keep = [line for line in self.read() if line.get("step", 0) <= step]
         tmp = self.path.with_name(f".{self.path.name}.tmp")
-        tmp.write_text("".join(json.dumps(line) + "\n" for line in keep))
-        os.replace(tmp, self.path)
+        try:
+            with writing(self.path):
+                tmp.write_text("".join(_line(record) for record in keep))
+            os.replace(tmp, self.path)
+        finally:
+            tmp.unlink(missing_ok=True)
 
     def read(self) -> list[dict[str, Any]]:
         """Every record; a line that does not parse (a crash can leave the last one half
@@ -45,8 +52,25 @@ class MetricsLog:
         return records
 
     def write(self, record: dict[str, Any]) -> None:
-        with self.path.open("a") as fh:
-            fh.write(json.dumps(record) + "\n")
+        """Append ``record``; a NaN or infinite value is written as null (strict JSON)."""
+        with writing(self.path), self.path.open("a") as fh:
+            fh.write(_line(record))
+
+
+def _finite(value: Any) -> Any:
+    return None if isinstance(value, float) and not math.isfinite(value) else value
+
+
+def _line(record: dict[str, Any]) -> str:
+    return json.dumps({k: _finite(v) for k, v in record.items()}, allow_nan=False) + "\n"
+
+
+def _points(records: list[dict[str, Any]], key: str) -> list[tuple[Any, float]]:
+    return [
+        (r["step"], r[key])
+        for r in records
+        if isinstance(r.get(key), int | float) and math.isfinite(r[key])
+    ]
 
 
 def plot_losses(records: list[dict[str, Any]], path: Path, title: str = "") -> None:
@@ -56,8 +80,8 @@ def plot_losses(records: list[dict[str, Any]], path: Path, title: str = "") -> N
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    train = [(r["step"], r["loss"]) for r in records if "loss" in r]
-    val = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
+    train = _points(records, "loss")
+    val = _points(records, "val_loss")
     fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
     if train:
         ax.plot(*zip(*train), label="train", linewidth=1)

@@ -3,6 +3,7 @@ and which checkpoint every rank resumes from."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,7 @@ from llmkit.errors import LlmkitError
 from llmkit.runs import RESOLVED_FILE, SPEC_FILE, TOKENIZER_FILE
 from llmkit.runs.checkpoints import (
     SHARDS,
+    STATE,
     WEIGHTS,
     Checkpoints,
     DamagedCheckpoint,
@@ -20,8 +22,11 @@ from llmkit.runs.checkpoints import (
     load_tensors,
     rank_file,
     set_rng_state,
+    shard_files,
+    verify_files,
     weight_shapes,
 )
+from llmkit.runs.lock import LOCK_FILE
 from llmkit.spec import ResolvedSpec
 from llmkit.training.strategy import ParallelStrategy
 
@@ -32,7 +37,7 @@ SETUP_FILES = {SPEC_FILE, RESOLVED_FILE, TOKENIZER_FILE, "data"}
 
 def restartable(rd: Path) -> bool:
     """True for an empty directory, or one a run left before its first step."""
-    names = {p.name for p in rd.iterdir()}
+    names = {p.name for p in rd.iterdir()} - {LOCK_FILE}
     return not names or (RESOLVED_FILE in names and names <= SETUP_FILES)
 
 
@@ -80,16 +85,87 @@ def check_max_steps(ckpt: Path, state: dict[str, Any], max_steps: int) -> None:
 def read_checkpoint(
     ckpt: Path, strategy: ParallelStrategy
 ) -> tuple[dict[str, Any], dict[str, Any] | None]:
-    """The trainer state and this rank's own state of ``ckpt``, after checking that its
-    weights file reads (header only); :class:`DamagedCheckpoint` when a file does not."""
+    """The trainer state and this rank's own state of ``ckpt``, after checking every file this
+    rank will read against the checksums in ``meta.json``, the state's fields, and that the
+    weights file reads (header only); :class:`DamagedCheckpoint` when one does not."""
+    from_shards = strategy.sharded and (ckpt / SHARDS).is_dir()
+    own = rank_file(strategy.rank)
     state = load_state(ckpt)
-    if not (ckpt / SHARDS).is_dir():
+    check_state(state, ckpt / STATE)
+    if not from_shards:
         weight_shapes(ckpt / WEIGHTS)
-    own = ckpt / rank_file(strategy.rank)
+    verify_files(ckpt, [STATE, own, *(shard_files(ckpt) if from_shards else [WEIGHTS])])
     rank_state = None
-    if strategy.distributed and own.is_file():
-        rank_state = load_tensors(own, "rank state")
+    if strategy.distributed and (ckpt / own).is_file():
+        rank_state = load_tensors(ckpt / own, "rank state")
+        if not isinstance(rank_state, dict):
+            raise DamagedCheckpoint(f"{ckpt / own}: not a table of rank state")
+        _check_rng(rank_state.get("rng"), ckpt / own)
     return state, rank_state
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def check_state(state: Any, path: Path) -> None:
+    """A ``state.pt`` that loaded must hold what the trainer restores, with the right types:
+    :class:`DamagedCheckpoint` naming the first field that does not."""
+
+    def bad(field: str, what: str) -> DamagedCheckpoint:
+        return DamagedCheckpoint(f"{path}: {field} {what}")
+
+    if not isinstance(state, dict):
+        raise bad("the trainer state", f"is a {type(state).__name__}, not a table")
+    for key in ("step", "tokens"):
+        if key not in state:
+            raise bad(key, "is missing")
+        if not _count(state[key]):
+            raise bad(key, f"is {state[key]!r}, not a count")
+    if not (_number(state.get("elapsed")) and state["elapsed"] >= 0):
+        raise bad("elapsed", f"is {state.get('elapsed')!r}, not a number of seconds")
+    data = state.get("data")
+    if not isinstance(data, dict) or not all(_count(v) for v in data.values()):
+        raise bad("data", f"is {data!r}, not a data position")
+    best = state.get("best_val")
+    if best is not None and not _number(best):
+        raise bad("best_val", f"is {best!r}, not a finite number")
+    if not _count(state.get("bad_evals", 0)):
+        raise bad("bad_evals", f"is {state.get('bad_evals')!r}, not a count")
+    for key in ("optimizer", "scaler"):
+        if key in state and not isinstance(state[key], dict):
+            raise bad(key, f"is a {type(state[key]).__name__}, not a table")
+    _check_rng(state.get("rng"), path)
+
+
+def _check_rng(rng: Any, path: Path) -> None:
+    """The random states :func:`~llmkit.runs.checkpoints.set_rng_state` restores."""
+    problem = None
+    if not isinstance(rng, dict):
+        problem = "is missing" if rng is None else f"is a {type(rng).__name__}, not a table"
+    elif not (isinstance(rng.get("torch"), torch.Tensor) and rng["torch"].dtype == torch.uint8):
+        problem = "has no torch state"
+    elif not (
+        isinstance(rng.get("python"), list | tuple)
+        and all(isinstance(v, int) for v in rng["python"])
+        and isinstance(rng.get("python_version"), int)
+    ):
+        problem = "has no Python state"
+    else:
+        n = rng.get("numpy")
+        if not (
+            isinstance(n, dict)
+            and isinstance(n.get("keys"), torch.Tensor)
+            and all(isinstance(n.get(k), int) for k in ("pos", "has_gauss"))
+            and isinstance(n.get("cached"), int | float)
+        ):
+            problem = "has no NumPy state"
+    if problem:
+        raise DamagedCheckpoint(f"{path}: rng {problem}")
 
 
 def newest_readable(
@@ -97,10 +173,14 @@ def newest_readable(
 ) -> tuple[Path, dict[str, Any], dict[str, Any] | None]:
     """The latest checkpoint, or the newest older one that is intact when a file of the
     latest cannot be read, with its state and this rank's state. Every rank must resume from
-    the same checkpoint: one rank's unreadable file moves them all to the next."""
+    the same checkpoint: one rank's unreadable file moves them all to the next. A missing or
+    damaged ``latest.json`` is noted in one line (the newest checkpoint is used)."""
     candidates = checkpoints.newest_first()
     if not candidates:
         raise LlmkitError(f"{checkpoints.dir.parent}: no checkpoint to resume from")
+    pointer = checkpoints.pointer_problem("latest")
+    if pointer:
+        log(f"note: {pointer}; using the newest checkpoint, {candidates[0].name}")
     for i, ckpt in enumerate(candidates):
         problem: DamagedCheckpoint | None = None
         try:

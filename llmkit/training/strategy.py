@@ -212,10 +212,15 @@ class ParallelStrategy:
         full_model: nn.Module | None,
     ) -> Path:
         """Write checkpoint ``step`` (every rank calls this): rank 0 the whole weights
-        (``full_model``) and ``state`` — with the optimizer state unless sharded — each rank
-        its RNG state when distributed, and under FSDP every rank its model and optimizer
-        shards (resharding on load)."""
-        if not self.sharded:
+        (``full_model``) and ``state`` with the optimizer state — under FSDP gathered and
+        keyed by parameter name, so that one process can resume from the plain files — each
+        rank its RNG state when distributed, and under FSDP every rank its model and
+        optimizer shards (resharding on load, for a job that opts in to reading them)."""
+        if self.sharded:
+            full = distributed.full_optimizer_state(model, optimizer)  # collective
+            if self.is_main:
+                state = {**state, "optimizer": full, "optimizer_keys": "names"}
+        else:
             state = {**state, "optimizer": optimizer.state_dict()}
         return checkpoints.save(
             step,
@@ -239,19 +244,35 @@ class ParallelStrategy:
         optimizer: torch.optim.Optimizer,
         state: dict[str, Any],
     ) -> None:
-        """Load weights and optimizer state of ``ckpt``: from its shards when an FSDP run saved
-        it (onto any number of ranks), else from the plain files. A sharded job cannot read
-        a plain checkpoint's optimizer state: one line saying so."""
-        if (ckpt / SHARDS).is_dir():
+        """Load weights and optimizer state of ``ckpt``. An FSDP job reads an FSDP
+        checkpoint's shards (onto any number of ranks), only with the opt-in
+        ``LLMKIT_TRUST_CHECKPOINTS=1``, since their metadata is a pickle; every other process
+        reads the plain files (``model.safetensors``, ``state.pt``), which unpickle nothing.
+        A sharded job cannot read a plain checkpoint's optimizer state: one line saying so."""
+        if self.sharded:
+            if not (ckpt / SHARDS).is_dir():
+                raise LlmkitError(
+                    f"{ckpt} was not saved by an fsdp run; resume it with train.parallel=ddp"
+                )
+            if not distributed.trusts_checkpoints():
+                raise LlmkitError(
+                    f"{ckpt}: an fsdp resume reads the shards in {SHARDS}/, whose metadata is "
+                    f"a pickle; set {distributed.TRUST_ENV}=1 if you trust this run directory "
+                    "(or resume with train.parallel=ddp, which reads only the plain files)"
+                )
             distributed.load_sharded(model, optimizer, str(ckpt / SHARDS))
             return
-        if self.sharded:
+        if "optimizer" not in state:
             raise LlmkitError(
-                f"{ckpt} was not saved by an fsdp run; resume it with train.parallel=ddp"
+                f"{ckpt}: its optimizer state is only in the fsdp shards ({SHARDS}/), which "
+                f"llmkit reads only in an fsdp job under torchrun with {distributed.TRUST_ENV}=1"
             )
         load_weights(model, ckpt / WEIGHTS)
+        saved = state["optimizer"]
         try:
-            optimizer.load_state_dict(state["optimizer"])
+            if state.get("optimizer_keys") == "names":
+                saved = distributed.optimizer_state_by_index(saved)
+            optimizer.load_state_dict(saved)
         except (ValueError, KeyError, TypeError, RuntimeError) as exc:
             raise LlmkitError(
                 f"{ckpt}: the saved optimizer state does not fit this optimizer ({exc}); "

@@ -30,6 +30,7 @@ from llmkit.runs import (
 )
 from llmkit.runs.checkpoints import Checkpoints, rng_state, save_weights
 from llmkit.runs.init_from import TOKENIZER_FILES, InitSource, find_init_source, load_init_weights
+from llmkit.runs.lock import RunInUse, RunLock
 from llmkit.spec import ResolvedSpec
 from llmkit.training import metrics as metrics_mod
 from llmkit.training import resume
@@ -71,6 +72,7 @@ class Trainer:
 
     _plotted = -math.inf  # time.monotonic() of the last loss-curve drawing
     _skipped = 0  # consecutive non-finite steps skipped
+    _lock: RunLock | None = None  # held on rank 0 from set-up to the end of fit()
 
     def __init__(
         self,
@@ -108,6 +110,7 @@ class Trainer:
         if not strategy.is_main:
             self.progress = False
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._lock_run()
         torch.manual_seed(t.seed)
         self.device = strategy.device
         self.precision = hardware.choose_precision(t.precision, self.device)
@@ -211,6 +214,22 @@ class Trainer:
             if self.edited and strategy.is_main:
                 save_spec(self.rs, self.run_dir)  # the edited recipe is the run's from now on
 
+    def _lock_run(self) -> None:
+        """Hold ``<run>/.lock`` for the whole training (rank 0 for the job: every rank shares
+        the directory); a second process on the run is refused on every rank."""
+        refused: RunInUse | None = None
+        if self.strategy.is_main:
+            self._lock = RunLock(self.run_dir)
+            try:
+                self._lock.acquire()
+            except RunInUse as exc:
+                refused = exc
+        problem = self.strategy.broadcast(str(refused) if refused else None)
+        if refused is not None:
+            raise refused
+        if problem:
+            raise RunInUse(problem)
+
     def _init_source(self) -> InitSource | None:
         """Where ``train.init_from`` points (made absolute in the run's spec); None without
         one, or when resuming a run without adapters (its checkpoint holds all weights)."""
@@ -290,6 +309,13 @@ class Trainer:
 
     # -- the loop ----------------------------------------------------------------------------
     def fit(self) -> TrainResult:
+        try:
+            return self._fit()
+        finally:
+            if self._lock is not None:
+                self._lock.release()
+
+    def _fit(self) -> TrainResult:
         self._setup()
         t = self.t
         strategy = self.strategy
@@ -404,9 +430,12 @@ class Trainer:
         record.update({k: round(v, 6) for k, v in result.reported.items()})
         return record
 
-    def _non_finite(self, loss: float, grad_norm: float) -> None:
+    def _last_good(self) -> str:
         latest = self.checkpoints.latest()
-        where = f"last good checkpoint: {latest}" if latest else "no checkpoint was written yet"
+        return f"last good checkpoint: {latest}" if latest else "no checkpoint was written yet"
+
+    def _non_finite(self, loss: float, grad_norm: float) -> None:
+        where = self._last_good()
         what = f"non-finite {'loss' if not math.isfinite(loss) else 'gradient'}"
         if self.t.on_nonfinite == "skip":
             self._skipped += 1
@@ -442,6 +471,13 @@ class Trainer:
             [res.loss * res.tokens, res.ce * res.tokens, res.tokens]
         )
         loss, ce = total / max(count, 1), ce_total / max(count, 1)
+        if not math.isfinite(loss):  # never "best", never saved
+            if strategy.is_main:
+                self.metrics.write({"step": self.step, "val_loss": loss})
+            raise NonFiniteLoss(
+                f"non-finite validation loss ({loss}) at step {self.step}; stopped without "
+                f"saving ({self._last_good()})"
+            )
         improved = self.best_val is None or loss < self.best_val
         if improved:
             self.best_val, self.bad_evals = loss, 0
@@ -465,7 +501,18 @@ class Trainer:
         patience = self.t.early_stopping_patience
         return patience is not None and self.bad_evals >= patience
 
+    def _weights_finite(self) -> bool:
+        """Whether every weight is finite, on every rank (each checks its own shards)."""
+        local = [p.to_local() if hasattr(p, "to_local") else p for p in self.model.parameters()]
+        ok = all(bool(torch.isfinite(p.detach()).all()) for p in local)
+        return not self.strategy.any([not ok])[0]
+
     def _save(self, best: bool) -> None:
+        if not self._weights_finite():
+            raise NonFiniteLoss(
+                f"non-finite weights after step {self.step}; stopped without saving "
+                f"({self._last_good()})"
+            )
         state: dict[str, Any] = {
             "data": self.sampler.state_dict(),
             "rng": rng_state(),

@@ -96,3 +96,51 @@ def test_schema_writes_json(tmp_path):
     target = tmp_path / "schema.json"
     assert main(["schema", "-o", str(target)]) == 0
     assert json.loads(target.read_text())["title"] == "llmkit spec"
+
+
+def test_schema_leaves_out_a_component_whose_module_fails_to_import(
+    capsys, tmp_path, ghost_registry
+):
+    target = tmp_path / "schema.json"
+    code, _, err = run(capsys, "schema", "-o", str(target))
+    assert code == 0, err
+    defs = json.loads(target.read_text())["$defs"]
+    assert "norm__ghost" not in defs and "norm__rmsnorm" in defs
+    assert "warning: schema: left out norm 'ghost' from llmkit-fake" in err
+    assert "failed to load: ModuleNotFoundError" in err and "Traceback" not in err
+
+
+@pytest.fixture
+def partway_failed():
+    """The process registry with a plugin that raised partway through register_components."""
+    from tests.helpers import registry_with
+    from tests.test_registry import Partway
+
+    reset_registry(registry_with(Partway()))
+    yield
+    reset_registry()
+
+
+PARTWAY = "plugin 'partway' (llmkit-partway) provides it but failed to load: register_components"
+
+
+def test_commands_name_the_failed_plugin_a_spec_asks_for(capsys, tmp_path, partway_failed):
+    code, _, err = run(capsys, "show", "norm", "early_norm")
+    assert code == 2 and "unknown norm 'early_norm'" in err and PARTWAY in err
+    assert err.strip().count("\n") == 0
+    spec = tmp_path / "spec.toml"
+    spec.write_text(
+        '[model]\nd_model = 32\nn_layers = 2\nn_heads = 4\nnorm = { name = "early_norm" }\n'
+    )
+    for argv in (["validate", str(spec)], ["info", str(spec)]):
+        code, _, err = run(capsys, *argv)
+        assert code == 2, argv
+        assert "model.norm.name: unknown norm 'early_norm'" in err and PARTWAY in err, argv
+    code, _, err = run(capsys, "schema", "-o", str(tmp_path / "schema.json"))
+    assert code == 0 and "plugin 'partway' (llmkit-partway) failed" in err
+
+
+def test_bench_kernels_names_a_failed_plugin_for_an_unknown_kind(capsys, partway_failed):
+    code, _, err = run(capsys, "bench", "kernels", "--kind", "metric", "--quick")
+    assert code == 2 and "unknown kind 'metric'" in err
+    assert "plugin 'partway' (llmkit-partway) provides it but failed to load" in err

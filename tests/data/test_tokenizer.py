@@ -94,6 +94,21 @@ def test_char_tokenizer(tmp_path: Path) -> None:
     assert again.encode(text + "z") == tok.encode(text + "z")
 
 
+def test_unknown_characters_are_counted(tmp_path: Path, bpe: Tokenizer) -> None:
+    tok = train_char(["hello"], ["<|endoftext|>"])
+    assert tok.unk_id == tok.token_to_id("<unk>")
+    ids = tok.encode("hé<|endoftext|>llo wörld")
+    assert tok.count_unknown(ids) == 6  # é, space, w, ö, r, d; not the special token
+    assert tok.unknown_note(ids, "the prompt") == (
+        "6 characters of the prompt are not in the tokenizer's vocabulary and became <unk>"
+    )
+    assert tok.unknown_note(tok.encode("hello"), "x") is None
+    tok.save(tmp_path / "char.json")
+    assert Tokenizer.load(tmp_path / "char.json").count_unknown(ids) == 6
+    assert bpe.unk_id is None  # byte-level BPE reads any text
+    assert bpe.count_unknown(bpe.encode("hé wörld")) == 0
+
+
 def test_char_tokenizer_empty_corpus() -> None:
     with pytest.raises(LlmkitError, match="no text"):
         train_char(["", ""], [])

@@ -97,3 +97,21 @@ def test_resume_order_is_latest_then_older(tmp_path):
     (ckpts.dir / "latest.json").write_text(json.dumps({"step": 2, "dir": "step-000002"}))
     assert names() == ["step-000002", "step-000003", "step-000001"]
     assert Checkpoints(tmp_path / "none").newest_first() == []
+
+
+def test_meta_records_a_checksum_per_file_and_a_change_is_named(tmp_path):
+    from llmkit.runs.checkpoints import read_meta, verify_files
+
+    latest = _saved(tmp_path).latest()
+    sums = read_meta(latest)["files"]
+    assert sorted(sums) == ["model.safetensors", "state.pt"]
+    verify_files(latest, sums)
+    weights = latest / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    with pytest.raises(DamagedCheckpoint, match=r"model\.safetensors: contents differ"):
+        verify_files(latest, ["model.safetensors"])
+    (latest / "meta.json").unlink()
+    with pytest.raises(DamagedCheckpoint, match=r"has no meta\.json"):
+        verify_files(latest, ["state.pt"])

@@ -128,7 +128,7 @@ def test_two_ranks_match_one_process_with_the_global_batch(reference, tmp_path, 
             "generate", str(out), "--prompt", "the ", "--max-new-tokens", "8", "--temperature", "0"
         )
     )
-    assert gen.stdout.strip().startswith("the ")
+    assert gen.stdout.startswith("the ")  # sampled unseeded: the tokens may be blanks
     ev = json.loads(ok(single("eval", str(out), "--json")).stdout)
     ref_ev = json.loads(ok(single("eval", str(ref), "--json")).stdout)
     assert abs(ev["loss"] - ref_ev["loss"]) <= TOL
@@ -180,7 +180,11 @@ def test_resume_after_killing_the_job(reference, tmp_path, parallel):
         4,
     )
     assert 4 <= killed_at < 16
-    ok(torchrun("train", "--resume", str(out), *TRAIN))
+    if parallel == "fsdp":  # reading shards unpickles their metadata: only when asked
+        proc = run(torchrun("train", "--resume", str(out), *TRAIN))
+        assert proc.returncode != 0 and "LLMKIT_TRUST_CHECKPOINTS=1" in proc.stderr
+    trust = {"LLMKIT_TRUST_CHECKPOINTS": "1"} if parallel == "fsdp" else {}
+    ok(torchrun("train", "--resume", str(out), *TRAIN), **trust)
     train, val = metrics(out)
     ref_train, ref_val = metrics(ref)
     assert_same(train, ref_train)
@@ -395,4 +399,4 @@ def test_a_job_with_adapters_matches_one_process(reference, tmp_path, parallel):
     ev_one = json.loads(ok(single("eval", str(one), "--json")).stdout)
     assert abs(ev["loss"] - ev_one["loss"]) <= TOL
     gen = ok(single("generate", str(job), "--prompt", "the ", "--max-new-tokens", "4"))
-    assert gen.stdout.strip().startswith("the ")
+    assert gen.stdout.startswith("the ")  # sampled unseeded: the tokens may be blanks

@@ -1,9 +1,10 @@
 """A deliberately broken llmkit plugin: importing it raises.
 
-Installed with llmkit's development set-up so that its entry point (``broken_fixture``)
-exists, it proves that one plugin failing to import is reported by name, with its error,
-while every command keeps working (and that ``LLMKIT_STRICT_PLUGINS=1`` turns it into an
-error). It registers nothing. To stop loading it, leave it out of ``$LLMKIT_PLUGINS`` or
+Never installed where the user works: the tests that need its entry point
+(``broken_fixture``) install it into a throwaway directory on ``sys.path``. It proves that
+one plugin failing to import is reported by name, with its error, while every command keeps
+working (and that ``LLMKIT_STRICT_PLUGINS=1`` turns it into an error). It registers nothing.
+An install left by an older set-up is removed by ``make test``, or
 ``pip uninstall llmkit-broken-fixture``.
 """
 
