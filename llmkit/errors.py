@@ -26,3 +26,15 @@ class RegistryError(LlmkitError):
 
 class PluginError(LlmkitError):
     """A plugin that failed to import or to register."""
+
+
+def no_space(exc: BaseException) -> bool:
+    """Whether ``exc`` reports a full disk or quota: an ``OSError`` with ENOSPC/EDQUOT, or a
+    library's error quoting one (safetensors: "No space left on device (os error 28)";
+    pyarrow's write errors)."""
+    import errno
+
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    text = str(exc)
+    return any(m in text for m in ("No space left on device", "os error 28", "quota exceeded"))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -25,6 +26,7 @@ from llmkit.data.tokens import (
     FORMAT_VERSION,
     TokenFile,
     _reusable,
+    raise_if_full,
     token_dtype,
     write_masked_token_file,
     write_token_file,
@@ -328,6 +330,21 @@ class _Encoder:
         return {"ids": ids, "n_bytes": [len(t.encode("utf-8")) for t in clean]}
 
 
+@contextmanager
+def map_cache(arrow: Path) -> Iterator[None]:
+    """Around tokenizing with ``datasets.map`` into the cache ``arrow``: the cache files are
+    removed afterwards (the ids live in the token file), also when it fails; a full disk is
+    one line naming the file."""
+    try:
+        yield
+    except OSError as exc:
+        raise_if_full(exc, arrow)
+        raise
+    finally:
+        for cached in arrow.parent.glob(f"{arrow.stem}*.arrow"):
+            cached.unlink(missing_ok=True)
+
+
 def tokenize_split(
     ds: datasets.Dataset,
     tokenizer: Tokenizer,
@@ -349,37 +366,36 @@ def tokenize_split(
     )
     arrow = path.with_suffix(".arrow")
     procs = min(num_proc, max(len(ds), 1))
-    tokenized = ds.map(
-        _Encoder(tokenizer.to_str(), tokenizer.eos_id),
-        batched=True,
-        batch_size=_MAP_BATCH,
-        input_columns=["text"],
-        remove_columns=ds.column_names,
-        features=features,
-        num_proc=procs if procs > 1 else None,
-        cache_file_name=str(arrow),
-        new_fingerprint=f"llmkit-{path.stem}",
-        desc=f"tokenizing {path.stem.split('-')[0]}",
-    )
-    dtype = token_dtype(tokenizer.vocab_size)
-    info: dict[str, Any] = {
-        **(meta or {}),
-        "documents": len(tokenized),
-        "n_bytes_text": 0,
-        "vocab_size": tokenizer.vocab_size,
-        "eos_id": tokenizer.eos_id,
-        "format": FORMAT_VERSION,
-    }
+    with map_cache(arrow):  # removed afterwards, also when tokenizing fails
+        tokenized = ds.map(
+            _Encoder(tokenizer.to_str(), tokenizer.eos_id),
+            batched=True,
+            batch_size=_MAP_BATCH,
+            input_columns=["text"],
+            remove_columns=ds.column_names,
+            features=features,
+            num_proc=procs if procs > 1 else None,
+            cache_file_name=str(arrow),
+            new_fingerprint=f"llmkit-{path.stem}",
+            desc=f"tokenizing {path.stem.split('-')[0]}",
+        )
+        dtype = token_dtype(tokenizer.vocab_size)
+        info: dict[str, Any] = {
+            **(meta or {}),
+            "documents": len(tokenized),
+            "n_bytes_text": 0,
+            "vocab_size": tokenizer.vocab_size,
+            "eos_id": tokenizer.eos_id,
+            "format": FORMAT_VERSION,
+        }
 
-    def chunks() -> Iterator[np.ndarray]:
-        for table in tokenized.with_format("arrow").iter(batch_size=_WRITE_BATCH):
-            info["n_bytes_text"] += int(pc.sum(table.column("n_bytes")).as_py() or 0)
-            for chunk in pc.list_flatten(table.column("ids")).chunks:
-                yield chunk.to_numpy(zero_copy_only=False)
+        def chunks() -> Iterator[np.ndarray]:
+            for table in tokenized.with_format("arrow").iter(batch_size=_WRITE_BATCH):
+                info["n_bytes_text"] += int(pc.sum(table.column("n_bytes")).as_py() or 0)
+                for chunk in pc.list_flatten(table.column("ids")).chunks:
+                    yield chunk.to_numpy(zero_copy_only=False)
 
-    write_token_file(chunks(), path, dtype, info)  # reads info once chunks are exhausted
-    for cached in path.parent.glob(f"{arrow.stem}*.arrow"):  # the ids live in the .bin now
-        cached.unlink(missing_ok=True)
+        write_token_file(chunks(), path, dtype, info)  # reads info once chunks are exhausted
     return TokenFile(path)
 
 
@@ -413,38 +429,37 @@ def tokenize_chat_split(
     encoder = ChatEncoder(
         tokenizer.to_str(), chat.template, tokenizer.template_tokens(), chat.mask_prompt
     )
-    tokenized = ds.map(
-        encoder,
-        batched=True,
-        batch_size=_MAP_BATCH,
-        input_columns=["messages", "where"],
-        remove_columns=ds.column_names,
-        features=features,
-        num_proc=procs if procs > 1 else None,
-        cache_file_name=str(arrow),
-        new_fingerprint=f"llmkit-{path.stem}",
-        desc=f"tokenizing {path.stem.split('-')[0]}",
-    )
-    info: dict[str, Any] = {
-        **(meta or {}),
-        "n_bytes_text": 0,
-        "vocab_size": tokenizer.vocab_size,
-        "eos_id": tokenizer.eos_id,
-        "format": FORMAT_VERSION,
-    }
+    with map_cache(arrow):  # removed afterwards, also when tokenizing fails
+        tokenized = ds.map(
+            encoder,
+            batched=True,
+            batch_size=_MAP_BATCH,
+            input_columns=["messages", "where"],
+            remove_columns=ds.column_names,
+            features=features,
+            num_proc=procs if procs > 1 else None,
+            cache_file_name=str(arrow),
+            new_fingerprint=f"llmkit-{path.stem}",
+            desc=f"tokenizing {path.stem.split('-')[0]}",
+        )
+        info: dict[str, Any] = {
+            **(meta or {}),
+            "n_bytes_text": 0,
+            "vocab_size": tokenizer.vocab_size,
+            "eos_id": tokenizer.eos_id,
+            "format": FORMAT_VERSION,
+        }
 
-    def chunks() -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
-        for table in tokenized.with_format("arrow").iter(batch_size=_WRITE_BATCH):
-            info["n_bytes_text"] += int(pc.sum(table.column("n_bytes")).as_py() or 0)
-            ids = pc.list_flatten(table.column("ids")).to_numpy()
-            mask = pc.list_flatten(table.column("mask")).to_numpy()
-            lengths = pc.list_value_length(table.column("ids")).to_numpy()
-            yield ids, mask, lengths
+        def chunks() -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+            for table in tokenized.with_format("arrow").iter(batch_size=_WRITE_BATCH):
+                info["n_bytes_text"] += int(pc.sum(table.column("n_bytes")).as_py() or 0)
+                ids = pc.list_flatten(table.column("ids")).to_numpy()
+                mask = pc.list_flatten(table.column("mask")).to_numpy()
+                lengths = pc.list_value_length(table.column("ids")).to_numpy()
+                yield ids, mask, lengths
 
-    dtype = token_dtype(tokenizer.vocab_size)
-    write_masked_token_file(chunks(), path, dtype, info)
-    for cached in path.parent.glob(f"{arrow.stem}*.arrow"):
-        cached.unlink(missing_ok=True)
+        dtype = token_dtype(tokenizer.vocab_size)
+        write_masked_token_file(chunks(), path, dtype, info)
     return TokenFile(path)
 
 

@@ -8,7 +8,6 @@ to the number of tokens). Plain text has neither.
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 from collections.abc import Iterable
@@ -17,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from llmkit.errors import LlmkitError
+from llmkit.errors import LlmkitError, no_space
 
 #: Bumped when the token-file layout changes, so older caches are not reused.
 FORMAT_VERSION = 1
@@ -139,10 +138,10 @@ def _write(f: Any, arr: np.ndarray, dtype: np.dtype) -> None:
     f.write(np.ascontiguousarray(arr.astype(dtype, copy=False)).tobytes())
 
 
-def _raise_if_full(exc: OSError, path: Path) -> None:
+def raise_if_full(exc: OSError, path: Path) -> None:
     """A full disk or quota as one line naming the file and the disk (the partial files
     are removed by the caller)."""
-    if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+    if not no_space(exc):
         return
     p = Path(os.path.abspath(path))
     disk = p.parent
@@ -176,7 +175,7 @@ def write_token_file(
         os.replace(tmp, path)
         os.replace(side_tmp, sidecar(path))
     except OSError as exc:
-        _raise_if_full(exc, path)
+        raise_if_full(exc, path)
         raise
     finally:
         tmp.unlink(missing_ok=True)
@@ -222,7 +221,7 @@ def write_masked_token_file(
         for tmp, final in zip(tmps, finals):
             os.replace(tmp, final)
     except OSError as exc:
-        _raise_if_full(exc, path)
+        raise_if_full(exc, path)
         raise
     finally:
         for tmp in tmps:

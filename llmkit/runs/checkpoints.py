@@ -21,7 +21,6 @@ Nothing here unpickles: ``state.pt`` and rank files load with ``weights_only=Tru
 from __future__ import annotations
 
 import contextlib
-import errno
 import hashlib
 import json
 import os
@@ -37,7 +36,7 @@ from safetensors import safe_open
 from safetensors.torch import load_model, save_file, save_model
 from torch import nn
 
-from llmkit.errors import LlmkitError
+from llmkit.errors import LlmkitError, no_space
 
 WEIGHTS = "model.safetensors"
 STATE = "state.pt"
@@ -49,15 +48,6 @@ CHECKSUMS = "files"
 
 class NoSpaceLeft(LlmkitError):
     """A write failed because the disk (or the user's quota) is full."""
-
-
-def no_space(exc: BaseException) -> bool:
-    """Whether ``exc`` reports a full disk or quota: an ``OSError`` with ENOSPC/EDQUOT, or a
-    library's error quoting one (safetensors: "No space left on device (os error 28)")."""
-    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
-        return True
-    text = str(exc)
-    return any(m in text for m in ("No space left on device", "os error 28", "quota exceeded"))
 
 
 def mount_point(path: Path) -> Path:

@@ -86,6 +86,24 @@ def test_prepare_char(corpus: Path, tmp_path: Path) -> None:
     assert not list((run / "data").glob(".*"))  # no temp files left
 
 
+@pytest.mark.parametrize("error", [OSError(28, "No space left on device"), OSError("os error 28")])
+def test_a_full_disk_while_tokenizing_leaves_no_partial_cache(
+    corpus: Path, tmp_path: Path, monkeypatch, error: OSError
+) -> None:
+    import datasets
+
+    def full_disk(self, *args, cache_file_name=None, **kwargs):
+        Path(cache_file_name).write_bytes(b"partial")  # what datasets had written so far
+        raise error
+
+    monkeypatch.setattr(datasets.Dataset, "map", full_disk)
+    run = tmp_path / "run"
+    with pytest.raises(LlmkitError, match=r"no space left on device writing .*\.arrow") as info:
+        prepare_data(make_rs([corpus]), run, log=lambda _m: None)
+    assert "\n" not in str(info.value)
+    assert not list((run / "data").glob("*.arrow"))
+
+
 def test_prepare_bpe_round_trip(tmp_path: Path) -> None:
     files = []
     for i in range(6):
