@@ -19,7 +19,7 @@ PLUGINS = ROOT / "plugins"
 LAYERS: list[tuple[str, ...]] = [
     # contracts: what components, kernels, the model and plugins rely on; hardware: device
     # choice (imports only errors)
-    ("contracts", "ops", "optim", "errors", "hookspecs", "hardware"),
+    ("contracts", "ops", "optim", "errors", "hookspecs", "hardware", "records"),
     ("registry",),  # the plugin host
     ("components", "kernels"),
     ("spec", "model"),
