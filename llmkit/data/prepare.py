@@ -330,6 +330,31 @@ class _Encoder:
         return {"ids": ids, "n_bytes": [len(t.encode("utf-8")) for t in clean]}
 
 
+def _map(
+    ds: datasets.Dataset,
+    encoder: Callable[..., Any],
+    columns: list[str],
+    features: Any,
+    path: Path,
+    num_proc: int,
+) -> datasets.Dataset:
+    """``datasets.map`` of ``encoder`` over ``columns`` in batches, cached beside ``path``
+    (``<path>.arrow``, see :func:`map_cache`)."""
+    procs = min(num_proc, max(len(ds), 1))
+    return ds.map(
+        encoder,
+        batched=True,
+        batch_size=_MAP_BATCH,
+        input_columns=columns,
+        remove_columns=ds.column_names,
+        features=features,
+        num_proc=procs if procs > 1 else None,
+        cache_file_name=str(path.with_suffix(".arrow")),
+        new_fingerprint=f"llmkit-{path.stem}",
+        desc=f"tokenizing {path.stem.split('-')[0]}",
+    )
+
+
 @contextmanager
 def map_cache(arrow: Path) -> Iterator[None]:
     """Around tokenizing with ``datasets.map`` into the cache ``arrow``: the cache files are
@@ -365,20 +390,9 @@ def tokenize_split(
         {"ids": seq(datasets.Value("int32")), "n_bytes": datasets.Value("int64")}
     )
     arrow = path.with_suffix(".arrow")
-    procs = min(num_proc, max(len(ds), 1))
     with map_cache(arrow):  # removed afterwards, also when tokenizing fails
-        tokenized = ds.map(
-            _Encoder(tokenizer.to_str(), tokenizer.eos_id),
-            batched=True,
-            batch_size=_MAP_BATCH,
-            input_columns=["text"],
-            remove_columns=ds.column_names,
-            features=features,
-            num_proc=procs if procs > 1 else None,
-            cache_file_name=str(arrow),
-            new_fingerprint=f"llmkit-{path.stem}",
-            desc=f"tokenizing {path.stem.split('-')[0]}",
-        )
+        encoder = _Encoder(tokenizer.to_str(), tokenizer.eos_id)
+        tokenized = _map(ds, encoder, ["text"], features, path, num_proc)
         dtype = token_dtype(tokenizer.vocab_size)
         info: dict[str, Any] = {
             **(meta or {}),
@@ -425,23 +439,11 @@ def tokenize_chat_split(
         }
     )
     arrow = path.with_suffix(".arrow")
-    procs = min(num_proc, max(len(ds), 1))
     encoder = ChatEncoder(
         tokenizer.to_str(), chat.template, tokenizer.template_tokens(), chat.mask_prompt
     )
     with map_cache(arrow):  # removed afterwards, also when tokenizing fails
-        tokenized = ds.map(
-            encoder,
-            batched=True,
-            batch_size=_MAP_BATCH,
-            input_columns=["messages", "where"],
-            remove_columns=ds.column_names,
-            features=features,
-            num_proc=procs if procs > 1 else None,
-            cache_file_name=str(arrow),
-            new_fingerprint=f"llmkit-{path.stem}",
-            desc=f"tokenizing {path.stem.split('-')[0]}",
-        )
+        tokenized = _map(ds, encoder, ["messages", "where"], features, path, num_proc)
         info: dict[str, Any] = {
             **(meta or {}),
             "n_bytes_text": 0,
