@@ -134,7 +134,8 @@ def test_a_an_attention_component(work, installed, capsys):
     from llmkit import build_model
 
     small = ["model.vocab_size=64", "model.d_model=32", "model.n_layers=2", "model.n_heads=4"]
-    resolved = load_spec(spec, [*small, "model.max_seq_len=16"])
+    # (a char tokenizer: a byte-level BPE needs at least 257 ids)
+    resolved = load_spec(spec, [*small, "model.max_seq_len=16", "tokenizer.kind=char"])
     assert resolved.layers[0].attention.options.cap == 30.0
     torch.manual_seed(0)
     model = build_model(resolved)

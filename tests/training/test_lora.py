@@ -116,7 +116,7 @@ def test_merge_errors(base, tuned, tmp_path, capsys):
 
 def test_an_adapter_needs_base_weights(tmp_path):
     spec = write_train_spec(tmp_path, CORPUS, max_steps=2, eval_interval=2)
-    with pytest.raises(LlmkitError, match=r"model\.adapter needs train\.init_from"):
+    with pytest.raises(LlmkitError, match=r"model\.adapter: adapters need train\.init_from"):
         train(spec, run_dir=tmp_path / "run", overrides=["model.adapter.name=lora"], **quiet())
     assert not (tmp_path / "run" / "data").exists()
 
