@@ -1,5 +1,8 @@
 """User-facing errors: the CLI prints them as one line and exits 2."""
 
+import os
+from pathlib import Path
+
 
 class LlmkitError(Exception):
     """An error a user can cause and fix (bad spec, unknown component, missing file)."""
@@ -38,3 +41,20 @@ def no_space(exc: BaseException) -> bool:
         return True
     text = str(exc)
     return any(m in text for m in ("No space left on device", "os error 28", "quota exceeded"))
+
+
+def mount_point(path: str | os.PathLike[str]) -> Path:
+    """The mount point of the file system holding ``path`` (or its nearest existing parent)."""
+    p = Path(os.path.abspath(path))
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    while not os.path.ismount(p) and p != p.parent:
+        p = p.parent
+    return p
+
+
+def no_space_message(path: str | os.PathLike[str]) -> str:
+    """``no space left on device writing PATH (the disk mounted at M is full)``."""
+    return (
+        f"no space left on device writing {path} (the disk mounted at {mount_point(path)} is full)"
+    )

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from llmkit.errors import LlmkitError, no_space
+from llmkit.errors import LlmkitError, no_space, no_space_message
 
 #: Bumped when the token-file layout changes, so older caches are not reused.
 FORMAT_VERSION = 1
@@ -141,16 +141,8 @@ def _write(f: Any, arr: np.ndarray, dtype: np.dtype) -> None:
 def raise_if_full(exc: OSError, path: Path) -> None:
     """A full disk or quota as one line naming the file and the disk (the partial files
     are removed by the caller)."""
-    if not no_space(exc):
-        return
-    p = Path(os.path.abspath(path))
-    disk = p.parent
-    while not os.path.ismount(disk) and disk != disk.parent:
-        disk = disk.parent
-    raise LlmkitError(
-        f"no space left on device writing {path} (the disk mounted at {disk} is full); "
-        "the partial file was removed"
-    ) from exc
+    if no_space(exc):
+        raise LlmkitError(f"{no_space_message(path)}; the partial file was removed") from exc
 
 
 def write_token_file(

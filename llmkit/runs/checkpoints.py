@@ -36,7 +36,7 @@ from safetensors import safe_open
 from safetensors.torch import load_model, save_file, save_model
 from torch import nn
 
-from llmkit.errors import LlmkitError, no_space
+from llmkit.errors import LlmkitError, no_space, no_space_message
 
 WEIGHTS = "model.safetensors"
 STATE = "state.pt"
@@ -48,22 +48,6 @@ CHECKSUMS = "files"
 
 class NoSpaceLeft(LlmkitError):
     """A write failed because the disk (or the user's quota) is full."""
-
-
-def mount_point(path: Path) -> Path:
-    """The mount point of the file system holding ``path`` (or its nearest existing parent)."""
-    p = Path(os.path.abspath(path))
-    while not p.exists() and p != p.parent:
-        p = p.parent
-    while not os.path.ismount(p) and p != p.parent:
-        p = p.parent
-    return p
-
-
-def no_space_message(path: Path) -> str:
-    """``no space left on device writing PATH (the disk mounted at M is full)``."""
-    disk = mount_point(path)
-    return f"no space left on device writing {path} (the disk mounted at {disk} is full)"
 
 
 @contextlib.contextmanager
