@@ -126,32 +126,45 @@ def find_weights(path: Path, which: str = "final") -> tuple[Path, Path]:
 ADAPTER_SECTION = "model.adapter"
 
 
-def build_run_model(rs: ResolvedSpec, *, base_weights: bool = True) -> Any:
-    """The model a run's spec describes: with ``model.adapter``, its base weights from
-    ``train.init_from`` (unless ``base_weights`` is False: the structure only) and the
-    adapters attached, base frozen. Returns ``(model, line)``, the line saying what the
-    adapters are (None without)."""
+def adapter_base(rs: ResolvedSpec) -> str | None:
+    """``train.init_from``, which a spec with ``model.adapter`` must name: the base weights
+    its adapters adapt."""
+    if ADAPTER_SECTION in rs.components and rs.spec.train.init_from is None:
+        raise LlmkitError(
+            "model.adapter needs train.init_from: the base weights the adapters adapt"
+        )
+    return rs.spec.train.init_from
+
+
+def build_run_model(
+    rs: ResolvedSpec, base: Any = None, *, load_base: bool = True
+) -> tuple[Any, list[str]]:
+    """The model a run's spec describes, with the weights of ``base`` (an
+    :class:`~llmkit.runs.init_from.InitSource`; by default, for a spec with ``model.adapter``,
+    ``train.init_from``'s) and the adapters attached, base frozen; ``load_base`` False
+    builds the structure only, for weights loaded next. Returns the model and one line for
+    each thing loaded or attached."""
     from llmkit.model import build_model
     from llmkit.model.adapters import attach_adapters
     from llmkit.runs.init_from import find_init_source, load_init_weights
 
     model = build_model(rs)
     adapter = rs.components.get(ADAPTER_SECTION)
-    if adapter is None:
-        return model, None
-    init_from = rs.spec.train.init_from
-    if init_from is None:
-        raise LlmkitError(
-            "model.adapter needs train.init_from: the base weights the adapters adapt"
-        )
-    if base_weights:
-        load_init_weights(
-            model,
-            find_init_source(init_from),
-            vocab_size=rs.model.vocab_size,
-            resize_vocab=rs.spec.train.init_resize_vocab,
-        )
-    return model, attach_adapters(model, adapter).line()
+    init_from = adapter_base(rs)
+    lines: list[str] = []
+    if load_base:
+        if base is None and adapter is not None:
+            base = find_init_source(init_from)
+        if base is not None:
+            t = rs.spec.train
+            lines.append(
+                load_init_weights(
+                    model, base, vocab_size=rs.model.vocab_size, resize_vocab=t.init_resize_vocab
+                )
+            )
+    if adapter is not None:
+        lines.append(attach_adapters(model, adapter).line())
+    return model, lines
 
 
 def load_run(path: str | Path, which: str = "final", device: str = "cpu") -> LoadedRun:

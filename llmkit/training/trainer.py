@@ -18,18 +18,18 @@ from torch import nn
 
 from llmkit import hardware
 from llmkit.errors import LlmkitError
-from llmkit.model.adapters import attach_adapters
 from llmkit.runs import (
     ADAPTER_SECTION,
     METRICS_FILE,
     PLOT_FILE,
     SPEC_FILE,
     TOKENIZER_FILE,
+    adapter_base,
     build_run_model,
     save_spec,
 )
 from llmkit.runs.checkpoints import Checkpoints, rng_state, save_weights
-from llmkit.runs.init_from import TOKENIZER_FILES, InitSource, find_init_source, load_init_weights
+from llmkit.runs.init_from import TOKENIZER_FILES, InitSource, find_init_source
 from llmkit.runs.lock import RunInUse, RunLock
 from llmkit.spec import ResolvedSpec
 from llmkit.training import metrics as metrics_mod
@@ -100,7 +100,6 @@ class Trainer:
     # -- set-up ------------------------------------------------------------------------------
     def _setup(self) -> None:
         from llmkit.data import eval_rows, make_sampler, prepare_data
-        from llmkit.model import build_model
 
         t = self.t
         if self.strategy is None:
@@ -148,19 +147,11 @@ class Trainer:
         eval_rows(data.validation, self.block_size)
 
         torch.manual_seed(t.seed)  # the same initial weights on every rank
-        self.model = build_model(self.rs).to(self.device)
-        if init is not None:  # (a resumed run restores its own weights: only a base here)
-            self.log(
-                load_init_weights(
-                    self.model,
-                    init,
-                    vocab_size=self.rs.model.vocab_size,
-                    resize_vocab=t.init_resize_vocab,
-                )
-            )
-        adapter = self.rs.components.get(ADAPTER_SECTION)
-        if adapter is not None:
-            self.log(attach_adapters(self.model, adapter).line())
+        # (a resumed run restores its own weights: ``init`` is then only an adapted run's base)
+        model, lines = build_run_model(self.rs, init)
+        for line in lines:
+            self.log(line)
+        self.model = model.to(self.device)
         self.model.activation_checkpointing = t.activation_checkpointing
         wrapped = strategy.wrap(self.model, t, self.precision)
         line = strategy.describe(t.batch_size, t.grad_accum)
@@ -233,14 +224,10 @@ class Trainer:
     def _init_source(self) -> InitSource | None:
         """Where ``train.init_from`` points (made absolute in the run's spec); None without
         one, or when resuming a run without adapters (its checkpoint holds all weights)."""
-        adapted = ADAPTER_SECTION in self.rs.components
-        if adapted and self.t.init_from is None:
-            raise LlmkitError(
-                "model.adapter needs train.init_from: the base weights the adapters adapt"
-            )
-        if self.t.init_from is None or (self.resume and not adapted):
+        init_from = adapter_base(self.rs)
+        if init_from is None or (self.resume and ADAPTER_SECTION not in self.rs.components):
             return None
-        init = find_init_source(self.t.init_from)
+        init = find_init_source(init_from)
         self.rs = self.rs.with_settings({"train.init_from": str(init.path)})
         self.t = self.rs.spec.train
         return init
@@ -539,7 +526,7 @@ class Trainer:
     def _full_model(self) -> nn.Module | None:
         """The whole model with current weights on rank 0 (None elsewhere)."""
         return self.strategy.full_model(
-            self.model, lambda: build_run_model(self.rs, base_weights=False)[0]
+            self.model, lambda: build_run_model(self.rs, load_base=False)[0]
         )
 
     def _maybe_plot(self, history: list[dict[str, Any]], final: bool) -> None:
