@@ -26,6 +26,7 @@ from typing import Any
 
 import yaml
 
+from llmkit.data.tokenizer import CONFIG_FILE
 from llmkit.errors import LlmkitError
 from llmkit.runs.checkpoints import WEIGHTS, Checkpoints, load_weights
 from llmkit.spec import ResolvedSpec, apply_override, load_raw, resolve
@@ -33,6 +34,8 @@ from llmkit.spec import ResolvedSpec, apply_override, load_raw, resolve
 SPEC_FILE = "spec.yaml"  # the merged spec (extends and --set applied); reloadable
 RESOLVED_FILE = "resolved.json"  # every default and every layer's component spelled out
 TOKENIZER_FILE = "tokenizer.json"
+#: The files that make a run's tokenizer: the vocabulary, and the chat template and token roles.
+TOKENIZER_FILES = (TOKENIZER_FILE, CONFIG_FILE)
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "loss.png"
 

@@ -21,11 +21,9 @@ import torch
 from torch import nn
 
 from llmkit.errors import LlmkitError
+from llmkit.runs import TOKENIZER_FILE
 from llmkit.runs.checkpoints import ADAPTER_MARK, is_adapter_file, read_weights
 
-TOKENIZER_FILE = "tokenizer.json"
-#: The files that make a run's tokenizer (the vocabulary; the chat template and token roles).
-TOKENIZER_FILES = (TOKENIZER_FILE, "tokenizer_config.json")
 __all__ = ["ADAPTER_MARK", "InitSource", "find_init_source", "load_init_weights"]
 
 

@@ -13,9 +13,8 @@ import shutil
 from pathlib import Path
 
 from llmkit.errors import LlmkitError
-from llmkit.runs import ADAPTER_SECTION, load_run, save_spec
-from llmkit.runs.checkpoints import save_weights
-from llmkit.runs.init_from import TOKENIZER_FILES
+from llmkit.runs import ADAPTER_SECTION, SPEC_FILE, TOKENIZER_FILES, load_run, save_spec
+from llmkit.runs.checkpoints import WEIGHTS, save_weights
 from llmkit.spec import resolve
 
 
@@ -35,12 +34,12 @@ def merge_run(path: str | Path, out: str | Path, which: str = "final") -> tuple[
     raw.get("model", {}).pop("adapter", None)
     for key in ("init_from", "init_resize_vocab"):
         raw.get("train", {}).pop(key, None)
-    rs = resolve(raw, source=str(out / "spec.yaml"))
+    rs = resolve(raw, source=str(out / SPEC_FILE))
     out.mkdir(parents=True, exist_ok=True)
     save_spec(rs, out)
     for name in TOKENIZER_FILES:
         src = loaded.run_dir / name
         if src.is_file():
             shutil.copyfile(src, out / name)
-    save_weights(loaded.model, out / "model.safetensors")
+    save_weights(loaded.model, out / WEIGHTS)
     return out, merged

@@ -24,12 +24,13 @@ from llmkit.runs import (
     PLOT_FILE,
     SPEC_FILE,
     TOKENIZER_FILE,
+    TOKENIZER_FILES,
     adapter_base,
     build_run_model,
     save_spec,
 )
 from llmkit.runs.checkpoints import Checkpoints, rng_state, save_weights
-from llmkit.runs.init_from import TOKENIZER_FILES, InitSource, find_init_source
+from llmkit.runs.init_from import InitSource, find_init_source
 from llmkit.runs.lock import RunInUse, RunLock
 from llmkit.spec import ResolvedSpec
 from llmkit.training import metrics as metrics_mod
