@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from llmkit.errors import LlmkitError
-from llmkit.runs import RESOLVED_FILE, SPEC_FILE, TOKENIZER_FILE
+from llmkit.runs import RESOLVED_FILE, SPEC_FILE, TOKENIZER_FILES
 from llmkit.runs.checkpoints import (
     SHARDS,
     STATE,
@@ -32,7 +32,7 @@ from llmkit.training.strategy import ParallelStrategy
 
 #: What a run writes before its first step: a directory holding only these (and llmkit's
 #: resolved.json among them) is a run that stopped before training, and may start again.
-SETUP_FILES = {SPEC_FILE, RESOLVED_FILE, TOKENIZER_FILE, "data"}
+SETUP_FILES = {SPEC_FILE, RESOLVED_FILE, *TOKENIZER_FILES, "data"}
 
 
 def restartable(rd: Path) -> bool:

@@ -357,6 +357,14 @@ def test_a_lock_file_alone_does_not_make_a_directory_a_run(tmp_path):
     assert restartable(tmp_path)
 
 
+def test_a_chat_runs_set_up_files_do_not_make_a_directory_a_run(tmp_path):
+    """A run stopped before its first checkpoint leaves its set-up files, the chat
+    template's tokenizer_config.json among them: a new run may start there."""
+    for name in ("spec.yaml", "resolved.json", "tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_text("{}")
+    assert restartable(tmp_path)
+
+
 # -- 9. permissions ----------------------------------------------------------------------------
 
 
