@@ -213,19 +213,23 @@ class BlockSampler(_Sampler):
         if self.n_blocks >= 2 * ws:  # keep a block spare so epochs can shift the grid
             self.n_blocks -= 1
         self.spare = len(self.data) - 1 - self.n_blocks * self.block_size
-        self.blocks_per_rank = self.n_blocks // ws
+        self._share(name, f"block(s) of {self.block_size} tokens")
+        if self.mask is not None:
+            self.blocks_per_rank = len(self.order(0))
+
+    def _share(self, name: str, units: str) -> None:
+        """Deal the ``n_blocks`` units out to the ranks (an error when a rank would get none)
+        and start at the beginning of epoch 0."""
+        self.blocks_per_rank = self.n_blocks // self.world_size
         if self.blocks_per_rank == 0:
             raise LlmkitError(
-                f"{name} split: {self.n_blocks} block(s) of {self.block_size} tokens cannot be "
-                f"shared by {ws} ranks"
+                f"{name} split: {self.n_blocks} {units} cannot be shared by {self.world_size} ranks"
             )
         self.epoch = 0
         self.index = 0
         self._order_epoch = -1
         self._order = np.zeros(0, np.int64)
         self._name = name
-        if self.mask is not None:
-            self.blocks_per_rank = len(self.order(0))
 
     def order(self, epoch: int) -> np.ndarray:
         """This rank's block indices for ``epoch``."""
@@ -335,17 +339,7 @@ class PaddedSampler(BlockSampler):
 
     def _start(self, name: str) -> None:
         self.spare = 0
-        self.blocks_per_rank = self.n_blocks // self.world_size
-        if self.blocks_per_rank == 0:
-            raise LlmkitError(
-                f"{name} split: {self.n_blocks} document(s) cannot be shared by "
-                f"{self.world_size} ranks"
-            )
-        self.epoch = 0
-        self.index = 0
-        self._order_epoch = -1
-        self._order = np.zeros(0, np.int64)
-        self._name = name
+        self._share(name, "document(s)")
         self._pad = _pad_id(self.data)
 
     def order(self, epoch: int) -> np.ndarray:
