@@ -88,7 +88,7 @@ def attach_adapters(model: nn.Module, resolved: object) -> AdapterReport:
             p.requires_grad_(True)
     extra = [n for n, p in model.named_parameters() if _matches(n, options.also_train)]
     for pattern in options.also_train:
-        if not any(fnmatch.fnmatchcase(n, pattern) or _matches(n, [pattern]) for n in extra):
+        if not any(_matches(n, [pattern]) for n in extra):
             raise LlmkitError(f"model.adapter.also_train: {pattern!r} matches no parameter")
     params = dict(model.named_parameters())
     for n in extra:
