@@ -23,7 +23,13 @@ auxiliary loss or metric a component reports arrives through the model output's 
 
 from llmkit.training import distributed
 from llmkit.training.entry import train
-from llmkit.training.evaluate import EvalResult, evaluate_batches, full_text_batches
+from llmkit.training.evaluate import (
+    EvalResult,
+    evaluate_batches,
+    full_text_batches,
+    sliding_batches,
+    sliding_windows,
+)
 from llmkit.training.metrics import MetricsLog, plot_losses
 from llmkit.training.objective import Objective, ObjectiveOutput
 from llmkit.training.sample import sample_text
@@ -47,5 +53,7 @@ __all__ = [
     "full_text_batches",
     "plot_losses",
     "sample_text",
+    "sliding_batches",
+    "sliding_windows",
     "train",
 ]

@@ -29,6 +29,7 @@ class EvalResult:
     tokens: int
     text_bytes: int | None = None
     cross_entropy: float | None = None
+    words: int | None = None  # whitespace-separated words of the text, when known
 
     @property
     def ce(self) -> float:
@@ -50,6 +51,13 @@ class EvalResult:
         npb = self.nats_per_byte
         return None if npb is None else npb / math.log(2)
 
+    @property
+    def word_perplexity(self) -> float | None:
+        """exp(cross-entropy summed over the text / its words): compares across tokenizers."""
+        if not self.words:
+            return None
+        return math.exp(min(self.ce * self.tokens / self.words, 80.0))
+
     def as_dict(self) -> dict[str, float | int | None]:
         out: dict[str, float | int | None] = {
             "loss": self.loss,
@@ -58,6 +66,9 @@ class EvalResult:
             "bytes": self.text_bytes,
             "bits_per_byte": self.bits_per_byte,
         }
+        if self.words:
+            out["words"] = self.words
+            out["word_perplexity"] = self.word_perplexity
         if self.cross_entropy is not None:
             out["cross_entropy"] = self.cross_entropy
         return out
@@ -98,16 +109,42 @@ def evaluate_batches(
 def full_text_batches(
     tokens: Tensor, block_size: int, batch_size: int
 ) -> Iterable[tuple[Tensor, Tensor]]:
-    """Every token of a sequence, in non-overlapping windows (the last one padded with
-    ignored targets), so per-byte figures cover the whole text."""
-    n = tokens.numel()
-    starts = list(range(0, max(n - 1, 0), block_size))
-    for i in range(0, len(starts), batch_size):
-        xs, ys = [], []
-        for s in starts[i : i + batch_size]:
-            chunk = tokens[s : s + block_size + 1]
-            x, y = chunk[:-1], chunk[1:]
-            pad = block_size - x.numel()
-            xs.append(torch.cat([x, x.new_zeros(pad)]))
-            ys.append(torch.cat([y, y.new_full((pad,), -100)]))
-        yield torch.stack(xs), torch.stack(ys)
+    """Every token of a sequence but the first, each scored once, in windows of
+    ``block_size`` that do not overlap (but the last, which reaches back for a full
+    context)."""
+    return sliding_batches(tokens, block_size, block_size, batch_size)
+
+
+def sliding_windows(n: int, context: int, stride: int) -> list[tuple[int, int, int]]:
+    """The windows that score tokens 1..n-1 of an n-token sequence, each once: ``(start,
+    end, first)`` feeds tokens ``start:end`` (at most ``context``) and scores the
+    predictions of tokens ``first+1..end``. Each window moves the end by ``stride`` tokens,
+    so every token after the first window is predicted from at least ``context - stride``
+    tokens before it (the sliding-window perplexity WikiText numbers are reported with;
+    ``stride = context`` gives non-overlapping windows)."""
+    if context < 1 or not 1 <= stride <= context:
+        raise ValueError(f"need 1 ≤ stride ≤ context, got stride {stride}, context {context}")
+    out: list[tuple[int, int, int]] = []
+    done = 0  # tokens 1..done are scored
+    while done < n - 1:
+        end = min(done + stride, n - 1) if out else min(context, n - 1)
+        start = max(0, end - context)
+        out.append((start, end, done))
+        done = end
+    return out
+
+
+def sliding_batches(
+    tokens: Tensor, context: int, stride: int, batch_size: int
+) -> Iterable[tuple[Tensor, Tensor]]:
+    """Batches of :func:`sliding_windows` over ``tokens`` (1-D): inputs (B, context) and
+    targets with -100 wherever a token is padding or was scored by an earlier window."""
+    windows = sliding_windows(tokens.numel(), context, stride)
+    for i in range(0, len(windows), batch_size):
+        part = windows[i : i + batch_size]
+        x = tokens.new_zeros((len(part), context))
+        y = tokens.new_full((len(part), context), -100)
+        for b, (start, end, first) in enumerate(part):
+            x[b, : end - start] = tokens[start:end]
+            y[b, first - start : end - start] = tokens[first + 1 : end + 1]
+        yield x, y
