@@ -1,5 +1,5 @@
-"""``llmkit eval``: loss and perplexity of a run or checkpoint, optionally against its int8
-quantization."""
+"""``llmkit eval``: loss and perplexity of a run or checkpoint (whole text or sliding windows,
+optionally against its int8 quantization), and downstream tasks scored by log-likelihood."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ def register_commands(register: Callable[..., Any]) -> None:
     register(
         "eval",
         run_eval,
-        help="loss and perplexity of a run or checkpoint",
+        help="perplexity and downstream-task accuracy of a run or checkpoint",
         configure=configure_eval,
     )
 
@@ -33,10 +33,50 @@ def configure_eval(p: argparse.ArgumentParser) -> None:
         help="also evaluate int8 weights: prints both sizes, losses and perplexities",
     )
     p.add_argument("--json", action="store_true")
+    ppl = p.add_argument_group("perplexity (--data or the validation split)")
+    ppl.add_argument(
+        "--context",
+        type=at_least(1),
+        help="tokens the model sees per window (default: the run's block size)",
+    )
+    ppl.add_argument(
+        "--stride",
+        type=at_least(1),
+        help="sliding windows: each window scores this many new tokens after "
+        "context − stride tokens of context (default: the context, disjoint windows)",
+    )
+    tasks = p.add_argument_group("downstream tasks")
+    tasks.add_argument(
+        "--task",
+        action="append",
+        default=[],
+        metavar="FILE_OR_NAME",
+        help="a task spec (.toml) or a built-in format with its data, NAME=FILE.jsonl "
+        "(hellaswag, arc_easy, arc_challenge, piqa, openbookqa, winogrande, lambada); "
+        "repeat for several. Without --data, only the tasks are evaluated",
+    )
+    tasks.add_argument(
+        "--num-fewshot",
+        type=at_least(0),
+        help="few-shot examples per prompt (default: the task spec's)",
+    )
+    tasks.add_argument(
+        "--seed", type=int, default=1234, help="picks the few-shot examples (default 1234)"
+    )
+    tasks.add_argument("--limit", type=at_least(1), help="score only the first N items")
+    tasks.add_argument(
+        "--log-samples",
+        action="store_true",
+        help="also write every item's scores to eval/<task>.json",
+    )
+    tasks.add_argument(
+        "--no-save", action="store_true", help="do not write results to the run's eval/"
+    )
 
 
-def _tokens(run: Any, data: str | None) -> tuple[Any, int | None, str]:
-    """The tokens to evaluate on, their text's size in bytes, and where they came from:
+def _tokens(run: Any, data: str | None) -> tuple[Any, int | None, int | None, str]:
+    """The tokens to evaluate on, their text's size in bytes and words, and where they came
+    from:
     ``data`` (a text file), or the run's validation split — its token file itself when only
     some tokens are trained (chat data: the assistant's) or rows are padded, whose bytes
     then mean nothing per token (None)."""
@@ -48,9 +88,9 @@ def _tokens(run: Any, data: str | None) -> tuple[Any, int | None, str]:
         prepared = prepare_data(run.spec, run.run_dir, run.tokenizer, log=lambda _m: None)
         val = prepared.validation
         if val.has_mask or val.layout != "packed":
-            return val, None, "validation split (trained tokens)"
+            return val, None, None, "validation split (trained tokens)"
         tokens = torch.from_numpy(val.array.astype("int64"))
-        return tokens, val.n_bytes_text, "validation split"
+        return tokens, val.n_bytes_text, None, "validation split"
     from pathlib import Path
 
     from llmkit.components.dataset import read_utf8
@@ -72,38 +112,65 @@ def _tokens(run: Any, data: str | None) -> tuple[Any, int | None, str]:
     tokens = torch.tensor(ids, dtype=torch.long)
     if tokens.numel() < 2:
         raise LlmkitError(f"--data: {path} has fewer than 2 tokens")
-    return tokens, len(text.encode("utf-8")), str(path)
+    return tokens, len(text.encode("utf-8")), len(text.split()), str(path)
 
 
 def run_eval(args: argparse.Namespace) -> int:
-    import torch
-
     from llmkit import hardware
-    from llmkit.data import eval_batches, eval_rows
     from llmkit.runs import load_run
-    from llmkit.training import Objective
-    from llmkit.training.evaluate import evaluate_batches, full_text_batches
 
+    tasks = _load_tasks(args.task)  # a bad task fails before the model loads
     run = load_run(args.run, which=args.weights)
     device = hardware.choose_device(args.device)
     run.model.to(device)
+    con = console(stderr=args.json)  # with --json, stdout carries the JSON alone
+    report: dict[str, Any] = {}
+    if args.data is not None or not tasks:
+        report.update(_perplexity(con, run, args, device))
+    if tasks:
+        report["tasks"] = _run_tasks(con, run, tasks, args)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    return 0
+
+
+def _perplexity(con: Any, run: Any, args: argparse.Namespace, device: Any) -> dict[str, Any]:
+    import torch
+
+    from llmkit.data import eval_batches, eval_rows
+    from llmkit.training import Objective
+    from llmkit.training.evaluate import evaluate_batches, sliding_batches
+
     block = run.spec.spec.data.block_size or run.spec.model.max_seq_len
-    tokens, text_bytes, source = _tokens(run, args.data)
+    context = args.context or block
+    if context > run.spec.model.max_seq_len:
+        raise LlmkitError(
+            f"--context {context} is longer than the model's max_seq_len "
+            f"({run.spec.model.max_seq_len})"
+        )
+    stride = args.stride or context
+    if stride > context:
+        raise LlmkitError(f"--stride {stride} is longer than the context ({context})")
+    tokens, text_bytes, words, source = _tokens(run, args.data)
     objective = Objective.from_spec(run.spec)  # what the run trained on (val_loss)
+    if not isinstance(tokens, torch.Tensor) and (args.context or args.stride):
+        raise LlmkitError(
+            "--context and --stride apply to text (--data, or a packed validation split)"
+        )
 
     def evaluate(model: Any) -> Any:
         if isinstance(tokens, torch.Tensor):
-            batches = full_text_batches(tokens, block, args.batch_size)
+            batches = sliding_batches(tokens, context, stride, args.batch_size)
         else:  # every row holding a trained token, once
             rows = len(eval_rows(tokens, block))
             batches = eval_batches(tokens, block, args.batch_size, -(-rows // args.batch_size))
         res = evaluate_batches(model, batches, device, objective=objective)
-        res.text_bytes = text_bytes
+        res.text_bytes, res.words = text_bytes, words
         return res
 
     res = evaluate(run.model)
-    con = console(stderr=args.json)  # with --json, stdout carries the JSON alone
-    con.print(f"{run.weights} on {source}: {res.tokens:,} tokens", markup=False)
+    windows = f", windows of {context} moving by {stride}" if stride != context else ""
+    con.print(f"{run.weights} on {source}: {res.tokens:,} tokens{windows}", markup=False)
     if res.cross_entropy is not None:
         name = run.spec.components["train.loss"].name
         con.print(f"objective ({name}) {res.loss:.4f} per token", markup=False)
@@ -112,12 +179,59 @@ def run_eval(args: argparse.Namespace) -> int:
         con.print(f"loss {res.loss:.4f} nats/token, perplexity {res.ppl:.3f}")
     if res.bits_per_byte is not None:
         con.print(f"{res.nats_per_byte:.4f} nats/byte, {res.bits_per_byte:.4f} bits/byte")
-    report = res.as_dict()
+    if res.word_perplexity is not None:
+        con.print(f"word perplexity {res.word_perplexity:.3f} ({res.words:,} words)")
+    report: dict[str, Any] = {**res.as_dict(), "context": context, "stride": stride}
     if args.quantize:
         report.update(_compare_quantized(con, run, res, evaluate, args.quantize))
-    if args.json:
-        print(json.dumps(report, indent=2))
-    return 0
+    return report
+
+
+def _load_tasks(refs: list[str]) -> list[Any]:
+    if not refs:
+        return []
+    from llmkit.evaluation import load_task
+
+    tasks = [load_task(ref) for ref in refs]
+    names = [t.name for t in tasks]
+    dup = next((n for n in names if names.count(n) > 1), None)
+    if dup is not None:
+        raise LlmkitError(f"--task: {dup} is given twice")
+    return tasks
+
+
+def _run_tasks(
+    con: Any, run: Any, tasks: list[Any], args: argparse.Namespace
+) -> dict[str, dict[str, Any]]:
+    from llmkit.evaluation import LoglikScorer, evaluate_task, save_result
+
+    scorer = LoglikScorer(run.model, run.tokenizer, batch_size=args.batch_size)
+    out = table("task", "items", "shots", "metric", "value", "± stderr")
+    results: dict[str, dict[str, Any]] = {}
+    for task in tasks:
+        res = evaluate_task(
+            scorer, task, num_fewshot=args.num_fewshot, seed=args.seed, limit=args.limit
+        )
+        results[task.name] = res.as_dict()
+        if not args.no_save:
+            path = save_result(
+                run.run_dir, res, task, weights=run.weights, samples=args.log_samples
+            )
+            results[task.name]["path"] = str(path)
+        first = True
+        for name, value in res.metrics.items():
+            if name.endswith("_stderr"):
+                continue
+            err = res.metrics.get(f"{name}_stderr")
+            shown = f"{value:.4f}" if name != "ppl" else f"{value:.3f}"
+            stderr = f"{err:.4f}" if err is not None and err == err else ""
+            cells = (task.name, str(res.n), str(res.num_fewshot)) if first else ("", "", "")
+            out.add_row(*cells, name, shown, stderr)
+            first = False
+    con.print(out)
+    if not args.no_save:
+        con.print(f"results in {run.run_dir / 'eval'}", markup=False)
+    return results
 
 
 def _compare_quantized(

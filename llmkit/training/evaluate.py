@@ -109,9 +109,8 @@ def evaluate_batches(
 def full_text_batches(
     tokens: Tensor, block_size: int, batch_size: int
 ) -> Iterable[tuple[Tensor, Tensor]]:
-    """Every token of a sequence but the first, each scored once, in windows of
-    ``block_size`` that do not overlap (but the last, which reaches back for a full
-    context)."""
+    """Every token of a sequence but the first, in non-overlapping windows (the last one
+    padded with ignored targets), so per-byte figures cover the whole text."""
     return sliding_batches(tokens, block_size, block_size, batch_size)
 
 
@@ -121,14 +120,14 @@ def sliding_windows(n: int, context: int, stride: int) -> list[tuple[int, int, i
     predictions of tokens ``first+1..end``. Each window moves the end by ``stride`` tokens,
     so every token after the first window is predicted from at least ``context - stride``
     tokens before it (the sliding-window perplexity WikiText numbers are reported with;
-    ``stride = context`` gives non-overlapping windows)."""
+    ``stride = context`` gives non-overlapping windows, the last one shorter)."""
     if context < 1 or not 1 <= stride <= context:
         raise ValueError(f"need 1 ≤ stride ≤ context, got stride {stride}, context {context}")
     out: list[tuple[int, int, int]] = []
     done = 0  # tokens 1..done are scored
     while done < n - 1:
-        end = min(done + stride, n - 1) if out else min(context, n - 1)
-        start = max(0, end - context)
+        start = max(0, done - (context - stride))
+        end = min(start + context, n - 1)
         out.append((start, end, done))
         done = end
     return out
