@@ -121,7 +121,7 @@ def test_few_shot_prompts_follow_the_seed_and_never_show_the_item_itself(tmp_pat
 def test_few_shot_examples_from_their_own_file(tmp_path):
     write_jsonl(tmp_path / "shots.jsonl", [{"q": "s", "options": ["yes", "no"], "answer": 1}])
     task = few_shot_task(tmp_path, fewshot_data="shots.jsonl", num_fewshot=1)
-    assert all(i.pairs[0][0] == "Q: s\nA: no\n\nQ: q%d\nA:" % i.doc_index for i in task.items())
+    assert all(i.pairs[0][0] == f"Q: s\nA: no\n\nQ: q{i.doc_index}\nA:" for i in task.items())
     with pytest.raises(LlmkitError, match="2 few-shot examples asked for"):
         task.items(num_fewshot=2)
 
