@@ -24,6 +24,7 @@ from benchmarks.conftest import FULL
 from llmkit.inference import Sampling, generate_batch, prepare_for_decoding
 from llmkit.model import Transformer, build_model
 from llmkit.spec import load_spec_dict
+from tests.hf_gpt2 import gpt2_spec, to_hf_gpt2
 
 transformers = pytest.importorskip("transformers")
 
@@ -33,59 +34,6 @@ SHAPE = (768, 12, 12, 50257, 1024) if FULL else (64, 2, 4, 512, 128)
 THREADS = int(os.environ.get("LLMKIT_BENCH_THREADS", "0")) or (
     torch.get_num_threads() if FULL else 1
 )
-
-
-def gpt2_spec(d: int, layers: int, heads: int, vocab: int, seq: int) -> dict:
-    return {
-        "extends": "gpt2",
-        "model": {
-            "vocab_size": vocab,
-            "d_model": d,
-            "n_layers": layers,
-            "n_heads": heads,
-            "max_seq_len": seq,
-            "ffn": {"name": "mlp", "activation": "gelu_tanh", "multiplier": 4.0},
-        },
-    }
-
-
-@torch.no_grad()
-def to_hf_gpt2(model: Transformer):
-    """A ``GPT2LMHeadModel`` holding ``model``'s weights (GPT-2-style specs only)."""
-    m = model.config
-    cfg = transformers.GPT2Config(
-        vocab_size=m.vocab_size,
-        n_positions=m.max_seq_len,
-        n_embd=m.d_model,
-        n_layer=m.n_layers,
-        n_head=m.n_heads,
-        activation_function="gelu_new",
-        layer_norm_epsilon=model.norm_f.eps if hasattr(model.norm_f, "eps") else 1e-5,
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=None,
-        tie_word_embeddings=True,
-    )
-    hf = transformers.GPT2LMHeadModel(cfg).eval()
-    t = hf.transformer
-    t.wte.weight.copy_(model.tok_emb.weight)
-    t.wpe.weight.copy_(model.position.wpe.weight)
-    for ours, theirs in zip(model.layers, t.h):
-        pairs = [
-            (theirs.ln_1, ours.norm1, False),
-            (theirs.ln_2, ours.norm2, False),
-            (theirs.attn.c_attn, ours.attn.qkv, True),
-            (theirs.attn.c_proj, ours.attn.out_proj, True),
-            (theirs.mlp.c_fc, ours.ffn.in_proj, True),
-            (theirs.mlp.c_proj, ours.ffn.out_proj, True),
-        ]
-        for dst, src, conv1d in pairs:
-            dst.weight.copy_(src.weight.T if conv1d else src.weight)
-            dst.bias.copy_(src.bias)
-    t.ln_f.weight.copy_(model.norm_f.weight)
-    t.ln_f.bias.copy_(model.norm_f.bias)
-    hf.lm_head.weight = t.wte.weight
-    return hf
 
 
 @pytest.fixture(scope="module")

@@ -109,8 +109,9 @@ def evaluate_batches(
 def full_text_batches(
     tokens: Tensor, block_size: int, batch_size: int
 ) -> Iterable[tuple[Tensor, Tensor]]:
-    """Every token of a sequence but the first, in non-overlapping windows (the last one
-    padded with ignored targets), so per-byte figures cover the whole text."""
+    """Every token of a sequence but the first, each scored once, in windows of
+    ``block_size`` that do not overlap but the last (it reaches back for a full context),
+    so per-byte figures cover the whole text."""
     return sliding_batches(tokens, block_size, block_size, batch_size)
 
 
@@ -120,14 +121,15 @@ def sliding_windows(n: int, context: int, stride: int) -> list[tuple[int, int, i
     predictions of tokens ``first+1..end``. Each window moves the end by ``stride`` tokens,
     so every token after the first window is predicted from at least ``context - stride``
     tokens before it (the sliding-window perplexity WikiText numbers are reported with;
-    ``stride = context`` gives non-overlapping windows, the last one shorter)."""
+    ``stride = context`` gives disjoint windows). The last window reaches back for a full
+    context, as lm-eval-harness's rolling windows do."""
     if context < 1 or not 1 <= stride <= context:
         raise ValueError(f"need 1 ≤ stride ≤ context, got stride {stride}, context {context}")
     out: list[tuple[int, int, int]] = []
     done = 0  # tokens 1..done are scored
     while done < n - 1:
-        start = max(0, done - (context - stride))
-        end = min(start + context, n - 1)
+        end = min(done + stride, n - 1) if out else min(context, n - 1)
+        start = max(0, end - context)
         out.append((start, end, done))
         done = end
     return out
