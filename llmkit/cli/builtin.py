@@ -11,11 +11,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from llmkit.cli import adapters, bench, catalogue, evaluate, generate, info, plugin, train
+from llmkit.cli import adapters, bench, catalogue, evaluate, generate, harness, info, plugin, train
 from llmkit.hookspecs import hookimpl
 
 #: In the order ``llmkit --help`` lists them.
-MODULES = (catalogue, plugin, info, train, adapters, evaluate, generate, bench)
+MODULES = (catalogue, plugin, info, train, adapters, evaluate, harness, generate, bench)
 
 
 @hookimpl

@@ -1,9 +1,11 @@
-"""llmkit runs as an lm-eval-harness model: ``lm_eval --model llmkit --model_args run=RUN``.
+"""llmkit runs as an lm-eval-harness model: ``llmkit lm-eval --model llmkit --model_args
+run=RUN --tasks ...``.
 
 lm-eval-harness finds its models in a registry of its own, without plugin discovery, so the
 model is known to it once this module is imported: importing it registers :class:`LlmkitLM`
 under the name ``llmkit`` (again importing, or calling :func:`register`, does nothing more).
-:func:`main` (``llmkit lm-eval ...``) registers it and runs lm-eval's own command line.
+lm-eval's own ``lm_eval`` command therefore does not know it; :func:`main` (``llmkit
+lm-eval ...``) registers it and runs lm-eval's command line with the same arguments.
 
 The model arguments (``--model_args key=value,...``):
 
@@ -16,9 +18,10 @@ The model arguments (``--model_args key=value,...``):
 - ``max_gen_toks``: ``generate_until``'s default number of new tokens (256, lm-eval's).
 
 ``batch_size``, ``max_batch_size`` and ``device`` may also come from lm-eval's own options
-(``--batch_size``, ``--device``); a value in ``--model_args`` wins. lm-eval's command line
-asks for ``cuda:0`` unless told otherwise: without a CUDA GPU that default falls back to the
-CPU, while a ``device`` named in ``--model_args`` must exist.
+(``--batch_size``, ``--max_batch_size``, ``--device``); a value in ``--model_args`` wins.
+lm-eval's command line always passes them: ``--batch_size`` 1 and ``--device cuda:0`` unless
+told otherwise. Without a CUDA GPU that default device falls back to the CPU, while a
+``device`` named in ``--model_args`` must exist.
 
 Scores are llmkit's own: ``loglikelihood`` is
 :meth:`~llmkit.evaluation.loglik.LoglikScorer.loglikelihood` (tokenized as lm-eval does, one
@@ -185,7 +188,7 @@ class LlmkitLM(LM):
             if value is None or key in args or key not in allowed:
                 continue
             if key == "device" and not _device_usable(value):
-                log.warning("lm-eval asked for device %s, which is not available: using cpu", value)
+                log.info("lm-eval asked for device %s, not available here: using the CPU", value)
                 continue
             args[key] = value
         return cls(**args)
@@ -283,7 +286,13 @@ class LlmkitLM(LM):
             "stop": stops,
             "temperature": 0.0,
         }
-        temperature = float(gen_kwargs.get("temperature", 1.0) or 0.0)
+        try:
+            temperature = float(gen_kwargs.get("temperature", 1.0) or 0.0)
+        except (TypeError, ValueError):
+            raise LlmkitError(
+                f"lm-eval generate_until: temperature is not a number: "
+                f"{gen_kwargs.get('temperature')!r}"
+            ) from None
         if gen_kwargs.get("do_sample") and temperature > 0:
             settings["temperature"] = temperature
             for key in ("top_p", "top_k"):

@@ -138,7 +138,7 @@ def test_eval_says_how_many_characters_were_unknown(tmp_path, caplog, char_token
     text = tmp_path / "text.txt"
     text.write_text("héllo wörld ZZ")
     with caplog.at_level(logging.INFO, logger="llmkit"):
-        tokens, _, _ = _tokens(SimpleNamespace(tokenizer=char_tokenizer), str(text))
+        tokens, _, _, _ = _tokens(SimpleNamespace(tokenizer=char_tokenizer), str(text))
     assert tokens.numel() == 14
     assert caplog.messages == [
         f"--data: 4 characters of {text} are not in the tokenizer's vocabulary and became <unk>"

@@ -43,8 +43,9 @@ def scores(run_dir, spec):
 
 
 def test_a_trained_model_knows_the_facts_and_a_random_one_does_not(facts):
-    trained, random_ = scores(facts["trained"], facts["mc_spec"]), scores(
-        facts["random"], facts["mc_spec"]
+    trained, random_ = (
+        scores(facts["trained"], facts["mc_spec"]),
+        scores(facts["random"], facts["mc_spec"]),
     )
     assert trained["chance"] == 0.25
     assert trained["acc"] >= 0.9 and trained["acc_norm"] >= 0.9
