@@ -42,6 +42,7 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
@@ -289,3 +290,37 @@ class WeightAdapter(nn.Module, ABC):
     @abstractmethod
     def forward(self, weight: Tensor) -> Tensor:
         """The adapted weight."""
+
+
+# -- experiment trackers ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LoggerContext:
+    """What a logger is built with: the run directory, the run's name, the run's spec (the
+    mapping a tracker shows as the run's configuration), and the step a resumed run
+    restarts after (None for a new run)."""
+
+    run_dir: Path
+    run_name: str
+    config: dict[str, Any] = field(default_factory=dict)
+    resume_step: int | None = None
+
+
+class MetricsLogger(ABC):
+    """Where a run's records go besides ``metrics.jsonl``: an experiment tracker.
+
+    A record is a flat mapping: ``step`` (an int) and values — numbers (``loss``, ``lr``,
+    ``val_loss``, ``capitals/acc`` from an evaluation) and occasionally strings (``eval``,
+    the task's name). Components are built as ``Component(options, ctx: LoggerContext)``
+    on the main process only, receive records in order, and are closed once. A resumed run
+    builds them with ``ctx.resume_step`` set: records after that step are about to be
+    written again, so a logger that can should drop its later ones.
+    """
+
+    @abstractmethod
+    def log(self, record: dict[str, Any]) -> None:
+        """Write one record."""
+
+    def close(self) -> None:  # noqa: B027  (optional: most loggers have something to flush)
+        """Flush and release what the logger holds; called once, also after an error."""

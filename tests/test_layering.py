@@ -24,7 +24,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("components", "kernels"),
     ("spec", "model"),
     ("data", "runs"),
-    ("training", "inference", "evaluation", "bench", "testing", "scaffold"),
+    ("training", "inference", "evaluation", "experiments", "bench", "testing", "scaffold"),
     ("cli",),
 ]
 LAYER = {name: i for i, names in enumerate(LAYERS) for name in names}

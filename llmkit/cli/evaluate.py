@@ -204,14 +204,17 @@ def _run_tasks(
     con: Any, run: Any, tasks: list[Any], args: argparse.Namespace
 ) -> dict[str, dict[str, Any]]:
     from llmkit.evaluation import LoglikScorer, evaluate_task, save_result
+    from llmkit.evaluation.runner import log_results, weights_step
 
     scorer = LoglikScorer(run.model, run.tokenizer, batch_size=args.batch_size)
     out = table("task", "items", "shots", "metric", "value", "± stderr")
     results: dict[str, dict[str, Any]] = {}
+    done = []
     for task in tasks:
         res = evaluate_task(
             scorer, task, num_fewshot=args.num_fewshot, seed=args.seed, limit=args.limit
         )
+        done.append(res)
         results[task.name] = res.as_dict()
         if not args.no_save:
             path = save_result(
@@ -230,7 +233,8 @@ def _run_tasks(
             first = False
     con.print(out)
     if not args.no_save:
-        con.print(f"results in {run.run_dir / 'eval'}", markup=False)
+        log_results(run.spec, run.run_dir, done, weights_step(run.weights, run.run_dir))
+        con.print(f"results in {run.run_dir / 'eval'} and the run's metrics", markup=False)
     return results
 
 

@@ -196,6 +196,40 @@ def save_result(
     return path
 
 
+def weights_step(weights: Path, run_dir: Path) -> int:
+    """The training step of a run's weights: a checkpoint's (its ``meta.json``), else the
+    last step the run's ``metrics.jsonl`` records (0 when it records none)."""
+    meta = weights.parent / "meta.json"
+    if weights.parent.name.startswith("step-") and meta.is_file():
+        try:
+            return int(json.loads(meta.read_text(encoding="utf-8"))["step"])
+        except (ValueError, KeyError, TypeError):
+            pass
+    from llmkit.runs import METRICS_FILE
+    from llmkit.training.metrics import MetricsLog
+
+    steps = [r["step"] for r in MetricsLog(run_dir / METRICS_FILE).read() if "step" in r]
+    return max((int(s) for s in steps if isinstance(s, int | float)), default=0)
+
+
+def log_results(rs: Any, run_dir: Path, results: Sequence[TaskResult], step: int) -> None:
+    """One record per task, at the weights' ``step``, through the run's log: its
+    ``metrics.jsonl`` and the loggers its spec names (``train.loggers``). A record holds
+    ``eval`` (the task's name), ``<task>/<metric>`` values, items and shots."""
+    from llmkit.training.metrics import RunLog
+
+    log = RunLog.for_run(rs, run_dir)
+    try:
+        for res in results:
+            record: dict[str, Any] = {"step": step, "eval": res.task}
+            record.update({f"{res.task}/{k}": v for k, v in res.metrics.items()})
+            record[f"{res.task}/items"] = res.n
+            record[f"{res.task}/num_fewshot"] = res.num_fewshot
+            log.write(record)
+    finally:
+        log.close()
+
+
 def _finite(value: Any) -> Any:
     """``value`` with NaN and infinities as null (strict JSON)."""
     if isinstance(value, float) and not math.isfinite(value):

@@ -257,6 +257,13 @@ class TrainSpec(Strict):
         description="init_from: allow a different vocabulary size (shared rows are copied, "
         "new rows keep their fresh initialisation).",
     )
+    loggers: list[ComponentRef] = Field(
+        default_factory=list,
+        max_length=16,
+        description="Experiment trackers the run's records also go to (kind logger: csv, "
+        'tensorboard, wandb, mlflow, or a plugin\'s), e.g. [{ name = "csv" }]; '
+        "metrics.jsonl is always written.",
+    )
 
     @field_validator("device")
     @classmethod

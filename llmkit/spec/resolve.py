@@ -62,6 +62,10 @@ def load_spec_dict(
     return resolve(data, source=None, registry=registry)
 
 
+#: The kind of ``train.loggers``' entries (a list, so the kind has no section of its own).
+LOGGER_KIND = "logger"
+
+
 def select_layers(selector: LayerSelector, n_layers: int) -> list[int]:
     """Indices chosen by a list (negatives count from the end) or a slice string."""
     if isinstance(selector, list):
@@ -196,6 +200,12 @@ def resolve(data: dict[str, Any], source: str | None = None, registry: Any = Non
         if not kind.per_layer and raw is not None:
             components[kind.section] = r.ref(kind.name, raw, kind.section)
 
+    raw_loggers = get_at(data, "train.loggers")
+    loggers = [
+        r.ref(LOGGER_KIND, raw, f"train.loggers[{i}]")
+        for i, raw in enumerate(raw_loggers if isinstance(raw_loggers, list) else [])
+    ]
+
     n_layers = raw_model.get("n_layers")
     if not isinstance(n_layers, int) or not 0 < n_layers <= MAX_LAYERS:
         n_layers = 0  # pass one reports it; no list of a billion layers is made here
@@ -243,6 +253,7 @@ def resolve(data: dict[str, Any], source: str | None = None, registry: Any = Non
         components=components,  # type: ignore[arg-type]
         source=source,
         raw=data,
+        loggers=[res for res in loggers if res is not None],
     )
 
 

@@ -66,6 +66,8 @@ class ResolvedSpec:
     components: dict[str, Resolved]
     source: str | None = None
     raw: dict[str, Any] = field(default_factory=dict)
+    #: ``train.loggers``, resolved (kind ``logger``), in the spec's order.
+    loggers: list[Resolved] = field(default_factory=list)
 
     @property
     def model(self) -> ModelSpec:
@@ -136,4 +138,6 @@ class ResolvedSpec:
         m.pop("overrides", None)
         for section, res in self.components.items():
             set_at(out, section, res.to_dict())
+        if self.loggers:
+            out["train"]["loggers"] = [res.to_dict() for res in self.loggers]
         return out

@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from llmkit.errors import LlmkitError
 from llmkit.runs.checkpoints import writing
 
 #: During training the loss curve is redrawn at a checkpoint only if this many seconds passed
@@ -55,6 +56,87 @@ class MetricsLog:
         """Append ``record``; a NaN or infinite value is written as null (strict JSON)."""
         with writing(self.path), self.path.open("a") as fh:
             fh.write(_line(record))
+
+
+class RunLog:
+    """``metrics.jsonl`` and the spec's loggers (``train.loggers``) as one: what a run
+    writes goes to every one of them. The loggers are built on the first write, on the
+    main process only (the others never write), and closed by :meth:`close`."""
+
+    def __init__(
+        self,
+        metrics: MetricsLog,
+        loggers: list[Any] | None = None,
+        ctx: Any = None,
+    ) -> None:
+        self.metrics = metrics
+        self._pending = list(loggers or [])  # resolved components, built on first use
+        self._ctx = ctx
+        self.loggers: list[Any] = []
+        self.resume_step: int | None = None
+
+    @classmethod
+    def for_run(cls, rs: Any, run_dir: Path) -> RunLog:
+        """The log of a run directory with ``rs``'s loggers."""
+        from llmkit.runs import METRICS_FILE
+
+        return cls(MetricsLog(run_dir / METRICS_FILE), rs.loggers, (rs, run_dir))
+
+    @property
+    def path(self) -> Path:
+        return self.metrics.path
+
+    def read(self) -> list[dict[str, Any]]:
+        return self.metrics.read()
+
+    def truncate_after(self, step: int) -> None:
+        """A resumed run restarts after ``step``: ``metrics.jsonl`` drops later lines and
+        the loggers are built knowing it (``LoggerContext.resume_step``)."""
+        self.metrics.truncate_after(step)
+        self.resume_step = step
+
+    def write(self, record: dict[str, Any]) -> None:
+        self.metrics.write(record)
+        self.open()
+        for logger in self.loggers:
+            logger.log(dict(record))
+
+    def open(self) -> None:
+        """Build the loggers not built yet (the first write does it too)."""
+        if not self._pending:
+            return
+        from llmkit.contracts import LoggerContext
+
+        rs, run_dir = self._ctx
+        ctx = LoggerContext(
+            run_dir=run_dir,
+            run_name=rs.spec.name or run_dir.name,
+            config=dict(rs.raw),
+            resume_step=self.resume_step,
+        )
+        pending, self._pending = self._pending, []
+        for res in pending:
+            try:
+                self.loggers.append(res.build(res.options, ctx))
+            except LlmkitError:
+                raise
+            except Exception as exc:  # a tracker's own error: one line naming the logger
+                first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+                raise LlmkitError(
+                    f"logger {res.name} could not start: {type(exc).__name__}: {first}"
+                ) from exc
+
+    def close(self) -> None:
+        """Close every logger built (once); the first error is raised after all closed."""
+        loggers, self.loggers = self.loggers, []
+        first: BaseException | None = None
+        for logger in loggers:
+            try:
+                logger.close()
+            except Exception as exc:  # close the others first
+                first = first or exc
+        if first is not None:
+            raise first
 
 
 def _finite(value: Any) -> Any:

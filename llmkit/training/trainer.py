@@ -20,7 +20,6 @@ from llmkit import hardware
 from llmkit.errors import LlmkitError
 from llmkit.runs import (
     ADAPTER_SECTION,
-    METRICS_FILE,
     PLOT_FILE,
     SPEC_FILE,
     TOKENIZER_FILE,
@@ -36,7 +35,7 @@ from llmkit.spec import ResolvedSpec
 from llmkit.training import metrics as metrics_mod
 from llmkit.training import resume
 from llmkit.training.distill import Distillation, load_teacher, teacher_tokenizer
-from llmkit.training.metrics import MetricsLog
+from llmkit.training.metrics import RunLog
 from llmkit.training.objective import Objective
 from llmkit.training.progress import ProgressDisplay, StopSignals
 from llmkit.training.step import StepResult, TrainStep
@@ -191,7 +190,7 @@ class Trainer:
             forward=torch.compile(wrapped) if t.compile else wrapped,
         )
         self.checkpoints = Checkpoints(self.run_dir)
-        self.metrics = MetricsLog(self.run_dir / METRICS_FILE)
+        self.metrics = RunLog.for_run(self.rs, self.run_dir)  # metrics.jsonl + train.loggers
 
         self.step = 0
         self.tokens = 0
@@ -300,13 +299,20 @@ class Trainer:
         try:
             return self._fit()
         finally:
-            if self._lock is not None:
-                self._lock.release()
+            try:
+                log = getattr(self, "metrics", None)
+                if log is not None:
+                    log.close()
+            finally:
+                if self._lock is not None:
+                    self._lock.release()
 
     def _fit(self) -> TrainResult:
         self._setup()
         t = self.t
         strategy = self.strategy
+        if strategy.is_main:
+            self.metrics.open()  # a logger that cannot start fails the run before step 1
         self.signals.install()
         history = self.metrics.read()
         self.log(
