@@ -12,6 +12,8 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import Field, create_model
 
+from llmkit.spec.models import TrainSpec
+from llmkit.spec.resolve import LOGGER_KIND
 from llmkit.spec.sections import spec_model
 
 
@@ -52,7 +54,13 @@ def spec_schema(registry: Any) -> dict[str, Any]:
             return union | None, Field(None, description=desc)
         return union, Field(default={"name": kind.default}, description=desc)
 
-    spec = spec_model(registry, ref, prefix="Schema")
+    extra: dict[str, dict[str, Any]] = {}
+    if registry.list(LOGGER_KIND):  # train.loggers: a list of any registered logger
+        loggers = Field(
+            default_factory=list, description=TrainSpec.model_fields["loggers"].description
+        )
+        extra["train"] = {"loggers": (list[ref_type(registry, LOGGER_KIND)], loggers)}  # type: ignore[misc]
+    spec = spec_model(registry, ref, prefix="Schema", extra=extra)
     schema = spec.model_json_schema()
     schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
     schema["title"] = "llmkit spec"

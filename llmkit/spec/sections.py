@@ -115,13 +115,21 @@ def component_ref(kind: Any, optional: bool) -> tuple[Any, Any]:
     return ComponentRef, Field(default_factory=lambda: ComponentRef(name=name), description=desc)
 
 
-def spec_model(registry: Any, ref: RefField = component_ref, prefix: str = "") -> type[Spec]:
-    """:class:`Spec` with one field per kind's section, typed by ``ref``; a section that
-    cannot be placed is a :class:`SpecError`."""
+def spec_model(
+    registry: Any,
+    ref: RefField = component_ref,
+    prefix: str = "",
+    extra: dict[str, dict[str, Any]] | None = None,
+) -> type[Spec]:
+    """:class:`Spec` with one field per kind's section, typed by ``ref``, and the fields of
+    ``extra`` (``{"train": {"loggers": (type, FieldInfo)}}``); a section that cannot be
+    placed is a :class:`SpecError`."""
     problems = check_sections(registry)
     if problems:
         raise SpecError(problems)
     fields: dict[str, dict[str, Any]] = {parent: {} for parent in PARENTS}
+    for parent, more in (extra or {}).items():
+        fields[parent].update(more)
     overrides: dict[str, Any] = {}
     for kind in spec_kinds(registry):
         parent, _, slot = kind.section.rpartition(".")
