@@ -54,3 +54,13 @@ def test_schema_rejects_bad_component_options(schema):
     assert list(_validator(schema).iter_errors(bad))
     bad["model"]["attention"] = {"name": "sliding_window", "window": 3}
     assert not list(_validator(schema).iter_errors(bad))
+
+
+def test_loggers_are_a_list_of_registered_loggers(schema):
+    base = load_raw(SPECS / "tiny.toml")
+    base["train"]["loggers"] = [{"name": "csv"}, {"name": "tensorboard", "dir": "tb"}]
+    _validator(schema).validate(base)
+    base["train"]["loggers"] = [{"name": "csv", "bogus": 1}]
+    assert list(_validator(schema).iter_errors(base))
+    base["train"]["loggers"] = [{"name": "nope"}]
+    assert list(_validator(schema).iter_errors(base))
