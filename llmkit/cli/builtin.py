@@ -11,11 +11,22 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from llmkit.cli import adapters, bench, catalogue, evaluate, generate, harness, info, plugin, train
+from llmkit.cli import (
+    adapters,
+    bench,
+    catalogue,
+    compare,
+    evaluate,
+    generate,
+    harness,
+    info,
+    plugin,
+    train,
+)
 from llmkit.hookspecs import hookimpl
 
 #: In the order ``llmkit --help`` lists them.
-MODULES = (catalogue, plugin, info, train, adapters, evaluate, harness, generate, bench)
+MODULES = (catalogue, plugin, info, train, adapters, evaluate, harness, compare, generate, bench)
 
 
 @hookimpl
