@@ -21,12 +21,25 @@ from llmkit.cli import (
     harness,
     info,
     plugin,
+    search,
     train,
 )
 from llmkit.hookspecs import hookimpl
 
 #: In the order ``llmkit --help`` lists them.
-MODULES = (catalogue, plugin, info, train, adapters, evaluate, harness, compare, generate, bench)
+MODULES = (
+    catalogue,
+    plugin,
+    info,
+    train,
+    adapters,
+    evaluate,
+    harness,
+    compare,
+    search,
+    generate,
+    bench,
+)
 
 
 @hookimpl

@@ -23,8 +23,11 @@ def train(
     max_time: float | None = None,
     log: Callable[[str], None] = print,
     progress: bool | None = None,
+    on_eval: Callable[[int, float], bool] | None = None,
 ) -> TrainResult:
-    """Train from a spec file, or resume the run in ``run_dir``. The spec is resolved once."""
+    """Train from a spec file, or resume the run in ``run_dir``. The spec is resolved once.
+    ``on_eval(step, val_loss)`` is called after every evaluation but the last; True stops
+    the run there (pruning)."""
     if resume:
         if run_dir is None:
             raise LlmkitError("--resume needs the run directory")
@@ -53,5 +56,6 @@ def train(
         log=log,
         progress=progress,
         strategy=strategy,
+        on_eval=on_eval,
     )
     return trainer.fit()

@@ -85,8 +85,12 @@ class Trainer:
         log: Callable[[str], None] = print,
         progress: bool | None = None,
         strategy: ParallelStrategy | None = None,
+        on_eval: Callable[[int, float], bool] | None = None,
     ) -> None:
         self.rs = rs
+        #: Called after each evaluation with (step, validation loss); True stops the run
+        #: there (``stopped = "pruned"``): a hyperparameter search prunes poor trials so.
+        self.on_eval = on_eval
         self.run_dir = Path(run_dir)
         self.resume = resume
         self.edited = edited  # resumed with --set: rs replaces the run's spec once restored
@@ -360,6 +364,10 @@ class Trainer:
                     if self._early_stop():
                         stopped = "early_stopping"
                         final = True
+                    if self.on_eval is not None and not final:
+                        verdict = bool(self.on_eval(self.step, last_val))
+                        if strategy.any([verdict])[0]:  # rank 0's verdict stops every rank
+                            stopped, final = "pruned", True
                 if self.step % ckpt_every == 0 or final or self.step % t.eval_interval == 0:
                     self._save(best=last_val is not None and last_val == self.best_val)
                     self._maybe_plot(history, final)

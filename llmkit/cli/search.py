@@ -1,0 +1,84 @@
+"""``llmkit search``: hyperparameter search with Optuna (TPE, pruning, a shared study)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from llmkit.cli.common import at_least, console, table
+
+
+def register_commands(register: Callable[..., Any]) -> None:
+    register(
+        "search",
+        run_search_command,
+        help="hyperparameter search with Optuna: TPE sampling, pruning, a shared study",
+        configure=configure_search,
+    )
+
+
+def configure_search(p: argparse.ArgumentParser) -> None:
+    p.add_argument("search_file", help="a search file (TOML/YAML): base spec, params, trials")
+    p.add_argument("--out", help="directory of the search (default: sweeps/<name>)")
+    p.add_argument("--trials", type=at_least(1), help="completed or pruned trials wanted")
+    p.add_argument("--storage", help="database URL of the study (default: OUT/study.db)")
+    p.add_argument(
+        "--workers",
+        type=at_least(1),
+        default=1,
+        help="processes working on the study here, threads split between them (default 1)",
+    )
+
+
+def _threads(workers: int) -> int:
+    return max(1, (os.cpu_count() or 1) // workers)
+
+
+def run_search_command(args: argparse.Namespace) -> int:
+    from llmkit.experiments.search import check_search, read_search, run_search
+
+    search, where = read_search(args.search_file)
+    check_search(search, where / search.base)  # every problem before any process starts
+    helpers: list[subprocess.Popen[bytes]] = []
+    if args.workers > 1:
+        threads = str(_threads(args.workers))
+        env = {**os.environ, "OMP_NUM_THREADS": threads}
+        argv = [sys.executable, "-m", "llmkit.cli", "search", args.search_file]
+        for flag in ("out", "trials", "storage"):
+            if getattr(args, flag) is not None:
+                argv += [f"--{flag}", str(getattr(args, flag))]
+        helpers = [
+            subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL)
+            for _ in range(args.workers - 1)
+        ]
+        import torch
+
+        torch.set_num_threads(_threads(args.workers))
+    con = console()
+    try:
+        result = run_search(
+            args.search_file,
+            out=args.out,
+            trials=args.trials,
+            storage=args.storage,
+            log=lambda m: con.print(m, markup=False),
+        )
+    finally:
+        codes = [h.wait() for h in helpers]
+    if any(codes):
+        con.print(f"{sum(1 for c in codes if c)} worker process(es) failed", markup=False)
+    states: dict[str, int] = {}
+    for row in result.rows:
+        states[row["state"]] = states.get(row["state"], 0) + 1
+    con.print(", ".join(f"{n} {s.lower()}" for s, n in sorted(states.items())), markup=False)
+    if result.best is not None:
+        out = table("best trial", "value")
+        for key, value in result.best.items():
+            out.add_row(str(key), str(value))
+        con.print(out)
+    con.print(f"results: {result.out / 'results.csv'}, plots in {result.out / 'plots'}")
+    return 0 if result.best is not None else 1

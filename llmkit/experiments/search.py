@@ -1,0 +1,353 @@
+"""Hyperparameter search with Optuna: TPE (or random) sampling, pruning of poor trials on
+the validation loss the trainer reports, and a study in a database several processes or
+machines share.
+
+A search file (TOML or YAML) names a base spec, fixed ``set`` overrides, and the parameters
+to search, each a spec path with a distribution::
+
+    name = "lr-warmup"
+    base = "../specs/tiny.toml"
+    set = ["train.max_steps=200", "train.eval_interval=50"]
+    trials = 16
+    [params]
+    "optimizer.lr" = { log_uniform = [1e-4, 3e-2] }
+    "schedule.warmup_steps" = { int = [0, 100], step = 10 }
+    "model.norm" = { choice = ["layernorm", "rmsnorm"] }
+
+Each trial is a normal run directory (``OUT/trials/trial-NNNN``); its value is the best
+validation loss (``metric``). After every evaluation the trainer reports the loss to the
+trial, and the pruner (median by default; Optuna's ``MedianPruner``) may stop it there. The
+study lives in ``storage`` (default ``sqlite:///OUT/study.db``); every process that runs the
+same search file against the same storage works on the same study, until ``trials``
+trials have completed or been pruned. Rerunning after a kill goes on where it stopped: a
+trial whose process died (no heartbeat) is marked failed and its parameters tried again.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from llmkit.errors import LlmkitError, SpecError
+
+#: Seconds between a running trial's heartbeats; a trial silent for longer is stale.
+HEARTBEAT_S = 20
+
+
+class Distribution(BaseModel):
+    """One searched parameter: exactly one of the distributions."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, populate_by_name=True)
+
+    log_uniform: tuple[float, float] | None = None
+    uniform: tuple[float, float] | None = None
+    integer: tuple[int, int] | None = Field(None, alias="int")
+    step: float | None = Field(None, gt=0, description="the grid of `int` or `uniform`")
+    choice: list[Any] | None = Field(None, min_length=1)
+
+    @model_validator(mode="after")
+    def _one(self) -> Distribution:
+        given = [k for k in ("log_uniform", "uniform", "integer", "choice") if getattr(self, k)]
+        if len(given) != 1:
+            raise ValueError("give exactly one of log_uniform, uniform, int, choice")
+        lo_hi = self.log_uniform or self.uniform or self.integer
+        if lo_hi is not None and not lo_hi[0] < lo_hi[1]:
+            raise ValueError(f"the range {list(lo_hi)} must go from low to high")
+        if self.log_uniform is not None and self.log_uniform[0] <= 0:
+            raise ValueError("log_uniform needs a positive low end")
+        return self
+
+    def ends(self) -> list[Any]:
+        """Values that must all be valid settings: the range's ends, or every choice."""
+        if self.choice is not None:
+            return list(self.choice)
+        lo_hi = self.log_uniform or self.uniform or self.integer
+        assert lo_hi is not None
+        return list(lo_hi)
+
+    def suggest(self, trial: Any, name: str) -> Any:
+        if self.log_uniform is not None:
+            return trial.suggest_float(name, *self.log_uniform, log=True)
+        if self.uniform is not None:
+            return trial.suggest_float(name, *self.uniform, step=self.step)
+        if self.integer is not None:
+            return trial.suggest_int(name, *self.integer, step=int(self.step or 1))
+        assert self.choice is not None
+        return trial.suggest_categorical(name, self.choice)
+
+
+class SearchSpec(BaseModel):
+    """A search file."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", max_length=100)
+    base: str = Field(description="the base spec file, relative to the search file")
+    set: list[str] = Field(default_factory=list, description="overrides of every trial")
+    params: dict[str, Distribution] = Field(min_length=1)
+    trials: int = Field(20, ge=1, le=100_000, description="completed or pruned trials wanted")
+    metric: Literal["best_val_loss", "val_loss"] = "best_val_loss"
+    sampler: Literal["tpe", "random"] = "tpe"
+    seed: int | None = 0
+    startup_trials: int = Field(
+        5, ge=0, description="random trials before TPE; trials before pruning starts"
+    )
+    pruner: Literal["median", "none"] = "median"
+    prune_after_steps: int = Field(
+        0, ge=0, description="no trial is pruned before this training step"
+    )
+    storage: str | None = Field(
+        None, description="a database URL (default: sqlite:///OUT/study.db)"
+    )
+
+
+def read_search(path: str | Path) -> tuple[SearchSpec, Path]:
+    """A validated search file and its directory (relative paths start there)."""
+    from llmkit.spec.files import read_spec_file
+
+    p = Path(path)
+    if not p.is_file():
+        raise LlmkitError(f"search file not found: {p}")
+    data = read_spec_file(p)
+    try:
+        return SearchSpec.model_validate(data), p.parent
+    except ValidationError as exc:
+        problems = [
+            f"{'.'.join(str(x) for x in e['loc']) or 'search'}: {e['msg']}" for e in exc.errors()
+        ]
+        raise SpecError(problems, str(p)) from None
+
+
+def _override(path: str, value: Any) -> str:
+    return f"{path}={json.dumps(value)}"
+
+
+def check_search(search: SearchSpec, base: Path) -> None:
+    """Resolve the base spec with every parameter at each end of its range (each choice):
+    all problems at once, before any trial runs."""
+    from llmkit.spec import load_spec
+
+    problems: list[str] = []
+    tried: set[tuple[str, str]] = set()
+    for path, dist in search.params.items():
+        for value in dist.ends():
+            key = (path, json.dumps(value))
+            if key in tried:
+                continue
+            tried.add(key)
+            try:
+                load_spec(base, [*search.set, _override(path, value)])
+            except SpecError as exc:
+                problems += [f"{path} = {value!r}: {p}" for p in exc.problems]
+            except LlmkitError as exc:
+                problems.append(f"{path} = {value!r}: {exc}")
+    if problems:
+        raise SpecError(sorted(set(problems)), f"search {search.name}")
+
+
+@dataclass
+class SearchResult:
+    """The study's trials (one row each) and its best trial's row."""
+
+    rows: list[dict[str, Any]]
+    best: dict[str, Any] | None
+    out: Path
+
+
+def _study(search: SearchSpec, out: Path, storage: str | None) -> Any:
+    import optuna
+    from optuna.storages import RDBStorage, RetryFailedTrialCallback
+
+    url = storage or search.storage or f"sqlite:///{(out / 'study.db').resolve()}"
+    rdb = RDBStorage(
+        url,
+        heartbeat_interval=HEARTBEAT_S,
+        grace_period=2 * HEARTBEAT_S,
+        heartbeat_stale_trial_callback=RetryFailedTrialCallback(max_retry=1),
+    )
+    if search.sampler == "tpe":
+        sampler: Any = optuna.samplers.TPESampler(
+            seed=search.seed, n_startup_trials=search.startup_trials
+        )
+    else:
+        sampler = optuna.samplers.RandomSampler(seed=search.seed)
+    pruner: Any = (
+        optuna.pruners.MedianPruner(
+            n_startup_trials=search.startup_trials, n_warmup_steps=search.prune_after_steps
+        )
+        if search.pruner == "median"
+        else optuna.pruners.NopPruner()
+    )
+    return optuna.create_study(
+        study_name=search.name,
+        storage=rdb,
+        sampler=sampler,
+        pruner=pruner,
+        direction="minimize",
+        load_if_exists=True,
+    )
+
+
+def run_search(
+    path: str | Path,
+    *,
+    out: str | Path | None = None,
+    trials: int | None = None,
+    storage: str | None = None,
+    log: Callable[[str], None] = print,
+) -> SearchResult:
+    """Run (or go on with) the search of a search file until its study holds ``trials``
+    (default: the file's) completed or pruned trials; this process's share of the work
+    when others run the same study."""
+    try:
+        import optuna
+    except ImportError:
+        raise LlmkitError("llmkit search needs Optuna: pip install 'llmkit[optuna]'") from None
+
+    from llmkit.training import train
+
+    search, where = read_search(path)
+    if trials is not None:
+        search = search.model_copy(update={"trials": trials})
+    base = where / search.base
+    check_search(search, base)
+    out_dir = Path(out) if out else Path("sweeps") / search.name
+    (out_dir / "trials").mkdir(parents=True, exist_ok=True)
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    import datasets
+
+    datasets.disable_progress_bars()  # one line per trial is the progress display
+    study = _study(search, out_dir, storage)
+    done_states = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
+
+    def objective(trial: Any) -> float:
+        values = {p: d.suggest(trial, p) for p, d in search.params.items()}
+        run_dir = out_dir / "trials" / f"trial-{trial.number:04d}"
+        trial.set_user_attr("run_dir", str(run_dir))
+        overrides = [*search.set, *(_override(p, v) for p, v in values.items())]
+        shown = ", ".join(f"{p}={_short(v)}" for p, v in values.items())
+        log(f"trial {trial.number}: {shown}")
+
+        def on_eval(step: int, val_loss: float) -> bool:
+            trial.report(val_loss, step)
+            return bool(trial.should_prune())
+
+        start = time.perf_counter()
+        result = train(
+            str(base), run_dir=run_dir, overrides=overrides, log=lambda _m: None,
+            progress=False, on_eval=on_eval,
+        )  # fmt: skip
+        value = result.best_val_loss if search.metric == "best_val_loss" else result.val_loss
+        trial.set_user_attr("steps", result.step)
+        trial.set_user_attr("tokens", result.tokens)
+        trial.set_user_attr("wall_s", round(time.perf_counter() - start, 2))
+        if result.stopped == "pruned":
+            log(f"trial {trial.number}: pruned at step {result.step} (val {value:.4f})")
+            raise optuna.TrialPruned()
+        if value is None or not math.isfinite(value):
+            raise LlmkitError(f"trial {trial.number} ended without a finite validation loss")
+        log(f"trial {trial.number}: {search.metric} {value:.4f}")
+        return float(value)
+
+    from optuna.study import MaxTrialsCallback
+
+    done = len(study.get_trials(deepcopy=False, states=done_states))
+    if done < search.trials:
+        log(f"study {search.name}: {done} of {search.trials} trials done; going on")
+        study.optimize(
+            objective,
+            callbacks=[MaxTrialsCallback(search.trials, states=done_states)],
+            catch=(LlmkitError, RuntimeError, ValueError),
+        )
+    rows = trial_rows(study, search)
+    write_results(out_dir, rows, search)
+    best = min(
+        (r for r in rows if r["state"] == "COMPLETE" and r["value"] is not None),
+        key=lambda r: r["value"],
+        default=None,
+    )
+    return SearchResult(rows, best, out_dir)
+
+
+def _short(value: Any) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+def trial_rows(study: Any, search: SearchSpec) -> list[dict[str, Any]]:
+    """One row per trial: number, state, value, each parameter, steps, tokens, wall time,
+    run directory."""
+    rows = []
+    for t in study.get_trials(deepcopy=False):
+        row: dict[str, Any] = {"trial": t.number, "state": t.state.name, "value": t.value}
+        row.update({p: t.params.get(p) for p in search.params})
+        for key in ("steps", "tokens", "wall_s", "run_dir"):
+            row[key] = t.user_attrs.get(key)
+        if t.intermediate_values:
+            row["last_reported_step"] = max(t.intermediate_values)
+        rows.append(row)
+    return rows
+
+
+def write_results(out: Path, rows: list[dict[str, Any]], search: SearchSpec) -> None:
+    """``results.csv``, ``results.jsonl`` and ``plots/`` (the value against each parameter,
+    and the best value so far against the trial number)."""
+    columns = list(dict.fromkeys(k for r in rows for k in r))
+    tmp = out / ".results.csv.tmp"
+    with tmp.open("w", newline="", encoding="utf-8") as fh:
+        writer = csv.DictWriter(fh, columns)
+        writer.writeheader()
+        writer.writerows(rows)
+    os.replace(tmp, out / "results.csv")
+    tmp = out / ".results.jsonl.tmp"
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    os.replace(tmp, out / "results.jsonl")
+    _plot(out / "plots", rows, search)
+
+
+def _plot(directory: Path, rows: list[dict[str, Any]], search: SearchSpec) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    done = [r for r in rows if r["state"] == "COMPLETE" and r["value"] is not None]
+    if not done:
+        return
+    directory.mkdir(parents=True, exist_ok=True)
+    for path, dist in search.params.items():
+        fig, ax = plt.subplots(figsize=(6, 4))
+        xs = [r[path] for r in done]
+        ax.scatter([str(x) for x in xs] if dist.choice else xs, [r["value"] for r in done])
+        if dist.log_uniform:
+            ax.set_xscale("log")
+        ax.set_xlabel(path)
+        ax.set_ylabel(search.metric)
+        ax.set_title(f"{search.name}: {len(done)} completed trials")
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(directory / f"{path.replace('.', '_')}.png", dpi=110)
+        plt.close(fig)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ordered = sorted(done, key=lambda r: r["trial"])
+    best, running = math.inf, []
+    for r in ordered:
+        best = min(best, r["value"])
+        running.append(best)
+    ax.plot([r["trial"] for r in ordered], [r["value"] for r in ordered], "o", label="trial")
+    ax.plot([r["trial"] for r in ordered], running, "-", label="best so far")
+    ax.set_xlabel("trial")
+    ax.set_ylabel(search.metric)
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(directory / "history.png", dpi=110)
+    plt.close(fig)
