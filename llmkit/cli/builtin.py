@@ -21,6 +21,7 @@ from llmkit.cli import (
     harness,
     info,
     plugin,
+    scaling,
     search,
     train,
 )
@@ -37,6 +38,7 @@ MODULES = (
     harness,
     compare,
     search,
+    scaling,
     generate,
     bench,
 )
