@@ -23,6 +23,7 @@ from llmkit.cli import (
     plugin,
     scaling,
     search,
+    sweep,
     train,
 )
 from llmkit.hookspecs import hookimpl
@@ -33,12 +34,13 @@ MODULES = (
     plugin,
     info,
     train,
+    sweep,
+    search,
+    scaling,
+    compare,
     adapters,
     evaluate,
     harness,
-    compare,
-    search,
-    scaling,
     generate,
     bench,
 )

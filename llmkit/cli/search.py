@@ -23,7 +23,7 @@ def register_commands(register: Callable[..., Any]) -> None:
 
 def configure_search(p: argparse.ArgumentParser) -> None:
     p.add_argument("search_file", help="a search file (TOML/YAML): base spec, params, trials")
-    p.add_argument("--out", help="directory of the search (default: sweeps/<name>)")
+    p.add_argument("--out", help="directory of the search (default: runs/sweeps/<name>)")
     p.add_argument("--trials", type=at_least(1), help="completed or pruned trials wanted")
     p.add_argument("--storage", help="database URL of the study (default: OUT/study.db)")
     p.add_argument(

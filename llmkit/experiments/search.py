@@ -127,6 +127,13 @@ def read_search(path: str | Path) -> tuple[SearchSpec, Path]:
         raise SpecError(problems, str(p)) from None
 
 
+def default_out(name: str) -> Path:
+    """Where a search writes by default: where a sweep does, ``runs/sweeps/<name>``."""
+    from llmkit.experiments.sweep import DEFAULT_ROOT
+
+    return DEFAULT_ROOT / name
+
+
 def _override(path: str, value: Any) -> str:
     return f"{path}={json.dumps(value)}"
 
@@ -220,7 +227,7 @@ def run_search(
         search = search.model_copy(update={"trials": trials})
     base = where / search.base
     check_search(search, base)
-    out_dir = Path(out) if out else Path("sweeps") / search.name
+    out_dir = Path(out) if out else default_out(search.name)
     (out_dir / "trials").mkdir(parents=True, exist_ok=True)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     import datasets

@@ -1,0 +1,605 @@
+"""Sweeps: many trainings of one base spec over axes of values (``llmkit sweep SWEEP_FILE``).
+
+:func:`run_sweep` reads a sweep file (:mod:`llmkit.experiments.sweep_axes`: its format,
+axes and trial ids), resolves every trial's spec before any trial starts (all problems of
+all trials reported at once), and trains the trials as ``llmkit train`` subprocesses,
+``workers`` at a time, each with its share of the CPU threads. Each trial is a normal run
+directory under ``<sweep>/trials/``. Rerunning the same sweep skips the done trials,
+resumes the interrupted ones from their last checkpoint (``llmkit train --resume``: exact)
+and starts the rest; a failed trial is recorded and rerun only with ``retry_failed``.
+Results (:mod:`llmkit.experiments.sweep_report`) are rewritten after every trial.
+
+Layout of ``<sweep>/``::
+
+    sweep.toml / sweep.yaml  a copy of the sweep file
+    sweep.json               the trials and their overrides (a rerun must match them)
+    trials/<id>/             each trial's run directory
+    logs/<id>.log            each trial's output (appended on every attempt)
+    results.jsonl, results.csv, plots/
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from llmkit.errors import LlmkitError, SpecError
+from llmkit.experiments import sweep_report as report
+from llmkit.experiments.sweep_axes import (
+    METRIC_COLUMNS,
+    SweepFile,
+    Trial,
+    axis_paths,
+    expand,
+    log_axes,
+    read_sweep,
+    zip_partners,
+)
+
+#: Where a sweep's directory goes by default: ``runs/sweeps/<name>`` under the current
+#: directory, beside the runs ``llmkit train`` makes (``runs/<name>-<time>``).
+DEFAULT_ROOT = Path("runs") / "sweeps"
+DEFINITION_FILE = "sweep.json"
+TRIALS_DIR = "trials"
+LOGS_DIR = "logs"
+WEIGHTS = "model.safetensors"
+#: Seconds between looks at the running trials.
+POLL_S = 0.1
+
+
+@dataclass
+class SweepPlan:
+    """A sweep file read and expanded: its trials, and the base spec they start from."""
+
+    sweep: SweepFile
+    name: str
+    base: Path
+    trials: list[Trial]
+    source: Path | None = None
+
+    @property
+    def axes(self) -> list[str]:
+        return axis_paths(self.sweep)
+
+
+@dataclass
+class SweepResult:
+    """How a sweep ended: its directory, one row per trial (the results columns), the plots
+    drawn, and the signal that stopped it early (None when it ran to the end)."""
+
+    dir: Path
+    rows: list[dict[str, Any]]
+    columns: list[str]
+    metric: str
+    plots: list[Path] = field(default_factory=list)
+    stopped: str | None = None
+
+    def counts(self) -> dict[str, int]:
+        """Trials by status (done, failed, interrupted, running, pending)."""
+        return {s: sum(1 for r in self.rows if r["status"] == s) for s in report.STATUSES}
+
+    def best(self) -> dict[str, Any] | None:
+        """The done trial with the lowest metric, or None."""
+        done = [r for r in self.rows if r["status"] == "done" and r.get(self.metric) is not None]
+        return min(done, key=lambda r: r[self.metric]) if done else None
+
+
+def load_plan(sweep: str | Path | SweepFile) -> SweepPlan:
+    """Read (a path) or take (a :class:`SweepFile`) a sweep and expand its trials; a file's
+    ``base`` is relative to the file, a model's to the current directory."""
+    if isinstance(sweep, SweepFile):
+        model, source, root = sweep, None, Path.cwd()
+    else:
+        source = Path(sweep)
+        model, root = read_sweep(source), source.parent
+    name = model.name or (source.stem if source is not None else "sweep")
+    return SweepPlan(model, name, _base_spec(model.base, root), expand(model), source)
+
+
+def _base_spec(base: str, root: Path) -> Path:
+    from llmkit.spec import presets
+
+    candidate = Path(base).expanduser()
+    candidate = candidate if candidate.is_absolute() else root / candidate
+    if candidate.is_file():
+        return candidate.resolve()
+    known = presets()
+    if base in known:
+        return known[base]
+    raise LlmkitError(f"base: no spec file {candidate} (nor a preset named {base!r})")
+
+
+def validate_plan(plan: SweepPlan) -> dict[str, Any]:
+    """Every trial's resolved spec, by trial id; a :class:`SpecError` listing each invalid
+    trial's problems (every one of them) when any trial does not resolve."""
+    from llmkit.spec import load_spec
+
+    specs: dict[str, Any] = {}
+    problems: list[str] = []
+    bad = 0
+    for trial in plan.trials:
+        try:
+            specs[trial.id] = load_spec(plan.base, trial.overrides)
+        except SpecError as exc:
+            bad += 1
+            problems += [f"{trial.id}: {p}" for p in exc.problems]
+        except LlmkitError as exc:
+            bad += 1
+            problems.append(f"{trial.id}: {exc}")
+    if problems:
+        where = str(plan.source) if plan.source is not None else f"sweep {plan.name}"
+        n = len(plan.trials)
+        raise SpecError(problems, f"{where} ({bad} of {n} trials invalid; none was run)")
+    return specs
+
+
+def threads_per_worker(workers: int, cores: int | None = None) -> int:
+    """CPU threads for each of ``workers`` trials at once: the cores this process may use,
+    shared out, at least one."""
+    if cores is None:
+        try:
+            cores = len(os.sched_getaffinity(0))
+        except AttributeError:  # not Linux
+            cores = os.cpu_count() or 1
+    return max(1, cores // max(1, workers))
+
+
+def trial_state(run_dir: Path, max_steps: int) -> str:
+    """What a trial's run directory holds: ``pending`` (nothing to resume from),
+    ``interrupted`` (a checkpoint before the end) or ``done`` (final weights at the last
+    step)."""
+    from llmkit.runs.checkpoints import Checkpoints
+
+    if not run_dir.is_dir():
+        return "pending"
+    latest = Checkpoints(run_dir).latest()
+    if latest is None:
+        return "pending"
+    step = int(latest.name.removeprefix("step-"))
+    return "done" if step >= max_steps and (run_dir / WEIGHTS).is_file() else "interrupted"
+
+
+def run_sweep(
+    sweep: str | Path | SweepFile,
+    *,
+    workers: int = 1,
+    out: str | Path | None = None,
+    retry_failed: bool = False,
+    log: Callable[[str], None] = print,
+    progress: bool | None = None,
+) -> SweepResult:
+    """Run (or finish) a sweep into ``out`` (default ``runs/sweeps/<name>``): every trial
+    validated first, then trained ``workers`` at a time; done trials are skipped, interrupted
+    ones resumed, failed ones rerun only with ``retry_failed``. SIGINT/SIGTERM stop the
+    running trials at their next step, each saving a checkpoint (a second signal kills
+    them)."""
+    if workers < 1:
+        raise LlmkitError(f"workers must be at least 1, got {workers}")
+    plan = load_plan(sweep)
+    specs = validate_plan(plan)
+    out_dir = Path(out) if out is not None else DEFAULT_ROOT / plan.name
+    out_dir.mkdir(parents=True, exist_ok=True)
+    from llmkit.runs.lock import LOCK_FILE, RunInUse, RunLock
+
+    lock = RunLock(out_dir)
+    try:
+        lock.acquire()
+    except RunInUse:
+        holder = (out_dir / LOCK_FILE).read_text().strip() or "unknown"
+        raise LlmkitError(
+            f"{out_dir} is in use by another sweep (pid {holder}); wait for it to end or stop it"
+        ) from None
+    try:
+        runner = _Runner(plan, specs, out_dir.absolute(), workers, retry_failed, log, progress)
+        return runner.run()
+    finally:
+        lock.release()
+
+
+@dataclass
+class _Running:
+    trial: Trial
+    proc: subprocess.Popen[bytes]
+    slot: int
+    log_from: int
+
+
+class _Runner:
+    """One run of a sweep over its directory: the trials' states, the subprocesses, the
+    rows."""
+
+    def __init__(
+        self,
+        plan: SweepPlan,
+        specs: dict[str, Any],
+        out: Path,
+        workers: int,
+        retry_failed: bool,
+        log: Callable[[str], None],
+        progress: bool | None,
+    ) -> None:
+        self.plan, self.specs, self.out = plan, specs, out
+        self.workers, self.retry_failed, self.log = workers, retry_failed, log
+        self.progress_enabled = progress
+        self.metric = METRIC_COLUMNS[plan.sweep.metric]
+        self.status: dict[str, str] = {}
+        self.errors: dict[str, str | None] = {}
+        self.rows: dict[str, dict[str, Any]] = {}
+        self.running: dict[str, _Running] = {}
+        self.stopping: str | None = None
+        self.display: Any = None  # the SweepProgress while trials run
+        self._accounts: dict[tuple[str, bool], dict[str, Any]] = {}
+        self._shapes: dict[str, dict[str, Any]] = {}  # accounting by model shape
+        self.threads = threads_per_worker(workers)
+        self.gpus = _visible_gpus() if workers > 1 else 0
+
+    # -- set-up ------------------------------------------------------------------------------
+    def _prepare(self) -> None:
+        """Check the directory holds this sweep (or none), record its definition, and read
+        each trial's state from the last run's rows and its run directory."""
+        definition = {
+            "name": self.plan.name,
+            "base": str(self.plan.base),
+            "base_sha256": _spec_digest(self.plan.base),
+            "trials": [{"id": t.id, "overrides": t.overrides} for t in self.plan.trials],
+        }
+        path = self.out / DEFINITION_FILE
+        if path.is_file():
+            try:
+                before = json.loads(path.read_text())
+            except ValueError:
+                before = {}
+            if before.get("trials") != definition["trials"]:
+                raise LlmkitError(
+                    f"{self.out} holds a sweep with other trials ({DEFINITION_FILE}); "
+                    "choose another --out, or remove the directory"
+                )
+            if before.get("base_sha256") != definition["base_sha256"]:
+                raise LlmkitError(
+                    f"the base spec {self.plan.base} changed since {self.out} was started; "
+                    "its done trials used the old one: choose another --out, or remove it"
+                )
+        _write_atomic(path, json.dumps(definition, indent=2) + "\n")
+        if self.plan.source is not None:
+            shutil.copyfile(self.plan.source, self.out / f"sweep{self.plan.source.suffix}")
+        else:
+            dump = self.plan.sweep.model_dump(mode="json", by_alias=True, exclude_none=True)
+            _write_atomic(self.out / "sweep.yaml", yaml.safe_dump(dump, sort_keys=False))
+        (self.out / TRIALS_DIR).mkdir(exist_ok=True)
+        (self.out / LOGS_DIR).mkdir(exist_ok=True)
+        before_rows = report.read_results(self.out)
+        for trial in self.plan.trials:
+            prev = before_rows.get(trial.id, {})
+            run = self._run_dir(trial)
+            state = trial_state(run, self._max_steps(trial))
+            if prev.get("status") == "done" and (run / WEIGHTS).is_file():
+                state = "done"  # also a run that stopped early (early stopping, max_time)
+            elif prev.get("status") == "failed" and not self.retry_failed:
+                state = "failed"
+                self.errors[trial.id] = prev.get("error")
+            self._set(trial, state)
+
+    def _run_dir(self, trial: Trial) -> Path:
+        return self.out / TRIALS_DIR / trial.id
+
+    def _max_steps(self, trial: Trial) -> int:
+        return self.specs[trial.id].spec.train.max_steps
+
+    # -- rows --------------------------------------------------------------------------------
+    def _set(self, trial: Trial, status: str, error: str | None = None) -> None:
+        """Record a trial's status and rebuild its row."""
+        self.status[trial.id] = status
+        if error is not None:
+            self.errors[trial.id] = error
+        elif status != "failed":
+            self.errors.pop(trial.id, None)
+        run = self._run_dir(trial)
+        row: dict[str, Any] = {"trial": trial.id, "status": status, **trial.values}
+        seed = trial.seed if trial.seed is not None else self.specs[trial.id].spec.train.seed
+        numbers = report.summarize(run) if run.is_dir() else {}
+        row.update({c: None for c in report.TAIL_COLUMNS}, **numbers, seed=seed)
+        acct = self._accounting(trial)
+        row["params"] = acct.get("params")
+        row["non_embedding_params"] = acct.get("non_embedding_params")
+        per_token, tokens = acct.get("train_flops_per_token"), row.get("tokens")
+        row["flops"] = round(per_token * tokens) if per_token is not None and tokens else None
+        row["run_dir"] = f"{TRIALS_DIR}/{trial.id}"
+        row["error"] = self.errors.get(trial.id)
+        self.rows[trial.id] = row
+
+    def _accounting(self, trial: Trial) -> dict[str, Any]:
+        """Parameters and FLOPs per token, from the run's own spec once it has one (it holds
+        the tokenizer's vocabulary size), else from the trial's resolved spec; each model
+        shape is built once (on the meta device)."""
+        spec_file = self._run_dir(trial) / "spec.yaml"
+        key = (trial.id, spec_file.is_file())
+        if key not in self._accounts:
+            try:
+                if key[1]:
+                    from llmkit.runs import open_run
+
+                    rs = open_run(spec_file.parent).resolve()
+                else:
+                    rs = self.specs[trial.id]
+                shape = json.dumps([rs.to_dict()["model"], rs.spec.data.block_size])
+                if shape not in self._shapes:
+                    self._shapes[shape] = report.accounting(rs)
+                self._accounts[key] = self._shapes[shape]
+            except Exception:  # a report, best effort: a model that cannot be built has none
+                self._accounts[key] = {}
+        return self._accounts[key]
+
+    def _write(self) -> None:
+        rows = [self.rows[t.id] for t in self.plan.trials]
+        report.write_results(self.out, rows, self.plan.axes)
+
+    # -- running -----------------------------------------------------------------------------
+    def run(self) -> SweepResult:
+        self._prepare()
+        todo = {"pending", "interrupted"} | ({"failed"} if self.retry_failed else set())
+        queue = deque(t for t in self.plan.trials if self.status[t.id] in todo)
+        self.display = display = report.SweepProgress(
+            self.plan.name,
+            len(self.plan.trials),
+            self.metric,
+            self.log,
+            self.progress_enabled,
+        )
+        for t in self.plan.trials:
+            display.set_status(t.id, self.status[t.id], self.rows[t.id])
+        skipped = len(self.plan.trials) - len(queue)
+        display.log(
+            f"sweep {self.plan.name}: {len(self.plan.trials)} trials ({skipped} already "
+            f"ended, {len(queue)} to run), {self.workers} worker(s) × {self.threads} "
+            f"thread(s) -> {self.out}"
+        )
+        self._write()
+        old = self._install_signals()
+        try:
+            while queue or self.running:
+                while queue and not self.stopping and len(self.running) < self.workers:
+                    self._start(queue.popleft(), display)
+                for tid in list(self.running):
+                    if self.running[tid].proc.poll() is not None:
+                        self._finish(self.running.pop(tid), display)
+                if self.stopping and not self.running:
+                    break
+                display.refresh()
+                time.sleep(POLL_S)
+        finally:
+            self._stop_all(signal.SIGKILL)  # none left, unless the sweep itself failed
+            for r in self.running.values():
+                r.proc.wait()
+            for sig, handler in old.items():
+                signal.signal(sig, handler)
+            display.close()
+        self._write()
+        rows = [self.rows[t.id] for t in self.plan.trials]
+        plots = report.draw_plots(
+            self.out,
+            rows,
+            self.plan.axes,
+            zip_partners(self.plan.sweep),
+            log_axes(self.plan.sweep),
+            self.metric,
+        )
+        result = SweepResult(
+            self.out,
+            rows,
+            report.columns(self.plan.axes),
+            self.metric,
+            plots,
+            self.stopping,
+        )
+        self.log(display.summary() + f"; results: {self.out / 'results.csv'}")
+        if self.stopping:
+            self.log(f"stopped by {self.stopping}: rerun the sweep to finish it")
+        return result
+
+    def _start(self, trial: Trial, display: report.SweepProgress) -> None:
+        from llmkit.runs.checkpoints import Checkpoints
+        from llmkit.runs.lock import RunInUse
+
+        run = self._run_dir(trial)
+        latest = Checkpoints(run).latest() if run.is_dir() else None
+        if latest is None and run.exists():
+            try:
+                _clear_run_dir(run)  # left before its first checkpoint: start afresh
+            except RunInUse as exc:
+                self._set(trial, "failed", str(exc))
+                self._write()
+                display.ended(trial, self.rows[trial.id])
+                return
+        cmd = self._command(trial, run, resume=latest is not None)
+        slot = min(set(range(self.workers)) - {r.slot for r in self.running.values()})
+        log_path = self.out / LOGS_DIR / f"{trial.id}.log"
+        with open(log_path, "ab") as fh:
+            start = fh.tell()
+            stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+            fh.write(f"=== {stamp}: {' '.join(cmd[2:])}\n".encode())
+            fh.flush()
+            proc = subprocess.Popen(
+                cmd,
+                stdin=subprocess.DEVNULL,
+                stdout=fh,
+                stderr=subprocess.STDOUT,
+                env=self._env(slot),
+                preexec_fn=_die_with_parent(),
+            )
+        self.running[trial.id] = _Running(trial, proc, slot, start)
+        self._set(trial, "running")
+        resume_step = int(latest.name.removeprefix("step-")) if latest is not None else None
+        display.started(trial, run, self._max_steps(trial), resume_step)
+
+    def _command(self, trial: Trial, run: Path, resume: bool) -> list[str]:
+        """``llmkit train`` for a trial: its base spec and overrides, or ``--resume``."""
+        cmd = [sys.executable, "-m", "llmkit.cli", "train"]
+        if resume:
+            cmd += ["--resume", str(run)]
+        else:
+            cmd += [str(self.plan.base), "--out", str(run)]
+            for assignment in trial.overrides:
+                cmd += ["--set", assignment]
+        return [*cmd, "--no-sample", "--no-progress"]
+
+    def _env(self, slot: int) -> dict[str, str]:
+        env = dict(os.environ)
+        n = str(self.threads)
+        env.update(
+            OMP_NUM_THREADS=n,
+            MKL_NUM_THREADS=n,
+            RAYON_NUM_THREADS=n,
+            PYTHONUNBUFFERED="1",
+            HF_DATASETS_DISABLE_PROGRESS_BARS="1",
+        )
+        if self.gpus > 1:
+            env["CUDA_VISIBLE_DEVICES"] = str(slot % self.gpus)
+        return env
+
+    def _finish(self, running: _Running, display: report.SweepProgress) -> None:
+        trial, rc = running.trial, running.proc.returncode
+        run = self._run_dir(trial)
+        tail = _log_tail(self.out / LOGS_DIR / f"{trial.id}.log", running.log_from)
+        state = trial_state(run, self._max_steps(trial))
+        error = None
+        if rc == 0:
+            stopped = _stop_reason(tail)
+            signalled = stopped is not None and stopped.startswith("SIG")
+            status = "done" if state == "done" or not (self.stopping or signalled) else state
+        elif self.stopping:
+            status = state if state != "done" else "interrupted"
+        else:
+            status, error = "failed", _error_line(tail, rc)
+        self._set(trial, status, error)
+        self._write()
+        display.ended(trial, self.rows[trial.id])
+
+    # -- signals -----------------------------------------------------------------------------
+    def _install_signals(self) -> dict[int, Any]:
+        def handler(signum: int, _frame: Any) -> None:
+            name = signal.Signals(signum).name
+            if self.stopping:
+                self.display.log(f"{name} again: killing the running trials")
+                self._stop_all(signal.SIGKILL)
+                return
+            self.stopping = name
+            self.display.log(
+                f"{name}: stopping; the running trials save a checkpoint at their next step "
+                "(again: kill them)"
+            )
+            self._stop_all(signal.SIGTERM)
+
+        old: dict[int, Any] = {}
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(ValueError):  # not the main thread: no handlers
+                old[sig] = signal.signal(sig, handler)
+        return old
+
+    def _stop_all(self, sig: int) -> None:
+        """Send ``sig`` to every running trial (not waiting: the loop reaps them; this also
+        runs in the signal handler)."""
+        for r in self.running.values():
+            if r.proc.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    r.proc.send_signal(sig)
+
+
+def _spec_digest(path: Path) -> str:
+    """A digest of the base spec as merged (its ``extends`` chain included)."""
+    from llmkit.spec import load_raw
+
+    text = json.dumps(load_raw(path), sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _clear_run_dir(run: Path) -> None:
+    """Remove a trial's directory that holds no checkpoint, unless a process trains in it."""
+    from llmkit.runs.lock import RunLock
+
+    lock = RunLock(run)
+    lock.acquire()  # RunInUse when another process holds it: reported, nothing removed
+    try:
+        shutil.rmtree(run)
+    finally:
+        lock.release()
+
+
+def _visible_gpus() -> int:
+    """CUDA devices to share out among workers (one each, round robin); 0 when
+    ``CUDA_VISIBLE_DEVICES`` is set already (it is kept) or there is no GPU."""
+    if "CUDA_VISIBLE_DEVICES" in os.environ:
+        return 0
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _die_with_parent() -> Callable[[], None] | None:
+    """A ``preexec_fn`` asking Linux to send the trial SIGTERM when the sweep dies (so it
+    saves a checkpoint and ends, instead of training on unseen); None elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    set_pdeathsig = 1  # PR_SET_PDEATHSIG
+
+    def setup() -> None:
+        prctl(set_pdeathsig, int(signal.SIGTERM))
+
+    return setup
+
+
+def _log_tail(path: Path, start: int) -> list[str]:
+    """The lines a trial's attempt wrote to its log (from byte ``start``)."""
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(start)
+            text = fh.read().decode("utf-8", errors="replace")
+    except OSError:
+        return []
+    return [line.strip() for line in text.replace("\r", "\n").splitlines() if line.strip()]
+
+
+def _stop_reason(lines: list[str]) -> str | None:
+    """Why ``llmkit train`` ended, from its ``done: ... (reason); val loss`` line."""
+    for line in reversed(lines):
+        if line.startswith("done: ") and "); val loss" in line:
+            return line.rpartition("); val loss")[0].rpartition("(")[2]
+    return None
+
+
+def _error_line(lines: list[str], rc: int) -> str:
+    """A failed trial's error: the CLI's ``error:`` line, else the last line it wrote (an
+    exception's), else how it ended."""
+    for line in reversed(lines):
+        if line.startswith("error: "):
+            return line.removeprefix("error: ")[:500]
+    if rc < 0:
+        with contextlib.suppress(ValueError):
+            return f"killed by {signal.Signals(-rc).name}"
+    tail = [line for line in lines if not line.startswith("===")]
+    return tail[-1][:500] if tail else f"exit status {rc}"

@@ -1,0 +1,525 @@
+"""The sweep file: its pydantic model (and JSON Schema), reading it, and expanding its axes
+into trials with stable ids and ``--set`` overrides.
+
+A grid sweep is the cartesian product of its ``axes`` and ``zip`` groups (the first axis
+varies slowest), a random sweep ``random.samples`` draws of its distributions; both are
+repeated once per seed (seeds vary fastest). See docs/experiments.md, "Sweeps".
+"""
+
+from __future__ import annotations
+
+import difflib
+import itertools
+import json
+import math
+import random
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    ValidationError,
+    WithJsonSchema,
+    field_validator,
+    model_validator,
+)
+
+from llmkit.errors import LlmkitError, SpecError
+
+#: A spec path an axis sets: dotted names (list elements by index), as ``--set`` takes them.
+PATH_PATTERN = re.compile(r"[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*")
+#: Characters a trial id keeps; every run of others becomes ``_``.
+_UNSAFE = re.compile(r"[^A-Za-z0-9._=+-]+")
+MAX_ID_LENGTH = 120
+#: Generated values (log/linear ranges, random draws) are rounded to this many significant
+#: digits, so ``{log = [1e-4, 1e-2], num = 3}`` gives exactly 0.0001, 0.001 and 0.01.
+RANGE_DIGITS = 12
+SAMPLE_DIGITS = 6
+#: Which results column each ``metric`` names.
+METRIC_COLUMNS = {
+    "val_loss": "final_val_loss",
+    "best_val_loss": "best_val_loss",
+    "train_loss": "final_train_loss",
+}
+
+
+class _Table(BaseModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, populate_by_name=True)
+
+
+def _check_value(value: Any) -> Any:
+    """A value ``--set`` can write: numbers, strings, booleans, lists and tables of them."""
+    if value is None:
+        raise ValueError("null cannot be set through --set; leave the key out instead")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"{value} is not a finite number")
+    if isinstance(value, list):
+        for v in value:
+            _check_value(v)
+    elif isinstance(value, dict):
+        for v in value.values():
+            _check_value(v)
+    elif not isinstance(value, bool | int | float | str):
+        raise ValueError(f"{value!r} is not a value a spec holds")
+    return value
+
+
+def _check_values(values: list[Any]) -> list[Any]:
+    for v in values:
+        _check_value(v)
+    return values
+
+
+ValueList = Annotated[list[Any], Field(min_length=1), AfterValidator(_check_values)]
+
+
+def spaced(lo: float, hi: float, num: int, *, log: bool, integer: bool) -> list[Any]:
+    """``num`` values from ``lo`` to ``hi`` (both included), evenly spaced in log space or
+    linearly, rounded to :data:`RANGE_DIGITS` significant digits or to integers (repeats
+    dropped)."""
+    if num == 1:
+        points = [lo]
+    elif log:
+        a, b = math.log10(lo), math.log10(hi)
+        points = [lo, *(10 ** (a + i * (b - a) / (num - 1)) for i in range(1, num - 1)), hi]
+    else:
+        points = [lo, *(lo + i * (hi - lo) / (num - 1) for i in range(1, num - 1)), hi]
+    if not integer:
+        return [float(f"{p:.{RANGE_DIGITS}g}") for p in points]
+    out: list[Any] = []
+    for p in points:
+        if round(p) not in out:
+            out.append(round(p))
+    return out
+
+
+class LogRange(_Table):
+    """``{log = [lo, hi], num = N}``: N log-spaced values from lo to hi (both > 0)."""
+
+    log: tuple[float, float] = Field(description="The first and last value, both > 0.")
+    num: int = Field(ge=1, le=10_000, description="How many values, both ends included.")
+    integer: bool = Field(False, description="Round each value to an integer (repeats dropped).")
+
+    @field_validator("log")
+    @classmethod
+    def _positive(cls, ends: tuple[float, float]) -> tuple[float, float]:
+        if min(ends) <= 0:
+            raise ValueError("a log-spaced range needs two values > 0")
+        return ends
+
+    def values(self) -> list[Any]:
+        return spaced(*self.log, self.num, log=True, integer=self.integer)
+
+
+class LinearRange(_Table):
+    """``{linear = [lo, hi], num = N}``: N evenly spaced values from lo to hi."""
+
+    linear: tuple[float, float] = Field(description="The first and last value.")
+    num: int = Field(ge=1, le=10_000, description="How many values, both ends included.")
+    integer: bool = Field(False, description="Round each value to an integer (repeats dropped).")
+
+    def values(self) -> list[Any]:
+        return spaced(*self.linear, self.num, log=False, integer=self.integer)
+
+
+def _kind(value: Any, kinds: tuple[str, ...]) -> str | None:
+    if isinstance(value, list):
+        return "list"
+    if isinstance(value, dict):
+        return next((k for k in kinds if k in value), None)
+    if isinstance(value, BaseModel):
+        return next((k for k in kinds if k in type(value).model_fields), None)
+    return None
+
+
+#: One grid axis: a list of values, or a log- or linearly spaced range.
+Axis = Annotated[
+    Union[  # noqa: UP007
+        Annotated[ValueList, Tag("list")],
+        Annotated[LogRange, Tag("log")],
+        Annotated[LinearRange, Tag("linear")],
+    ],
+    Discriminator(
+        lambda v: _kind(v, ("log", "linear")),
+        custom_error_type="axis",
+        custom_error_message="an axis is a list of values, {log = [lo, hi], num = N} or "
+        "{linear = [lo, hi], num = N} (a single value belongs in `set`)",
+    ),
+]
+
+
+class LogUniform(_Table):
+    """``{log_uniform = [lo, hi]}``: drawn uniformly in log space (lo, hi > 0)."""
+
+    log_uniform: tuple[float, float]
+    integer: bool = Field(False, description="Round each draw to an integer.")
+
+    @field_validator("log_uniform")
+    @classmethod
+    def _positive(cls, ends: tuple[float, float]) -> tuple[float, float]:
+        if min(ends) <= 0:
+            raise ValueError("log_uniform needs two values > 0")
+        return ends
+
+    def draw(self, rng: random.Random) -> Any:
+        lo, hi = (math.log(v) for v in self.log_uniform)
+        value = math.exp(rng.uniform(lo, hi))
+        return round(value) if self.integer else float(f"{value:.{SAMPLE_DIGITS}g}")
+
+
+class Uniform(_Table):
+    """``{uniform = [lo, hi]}``: drawn uniformly."""
+
+    uniform: tuple[float, float]
+    integer: bool = Field(False, description="Round each draw to an integer.")
+
+    def draw(self, rng: random.Random) -> Any:
+        value = rng.uniform(*self.uniform)
+        return round(value) if self.integer else float(f"{value:.{SAMPLE_DIGITS}g}")
+
+
+class Choice(_Table):
+    """``{choice = [a, b, ...]}``: one of the values, each equally likely."""
+
+    choice: ValueList
+
+    def draw(self, rng: random.Random) -> Any:
+        return rng.choice(self.choice)
+
+
+#: One random-search axis: a distribution to draw from.
+Distribution = Annotated[
+    Union[  # noqa: UP007
+        Annotated[LogUniform, Tag("log_uniform")],
+        Annotated[Uniform, Tag("uniform")],
+        Annotated[Choice, Tag("choice")],
+    ],
+    Discriminator(
+        lambda v: _kind(v, ("log_uniform", "uniform", "choice")),
+        custom_error_type="distribution",
+        custom_error_message="a random axis is {log_uniform = [lo, hi]}, "
+        "{uniform = [lo, hi]} or {choice = [values]}",
+    ),
+]
+
+
+class RandomSearch(_Table):
+    """``[random]``: ``samples`` draws of every axis in ``axes``, reproducible from ``seed``."""
+
+    samples: int = Field(ge=1, le=100_000, description="How many configurations to draw.")
+    seed: int = Field(0, ge=0, description="Seed of the draws (not the trials' train.seed).")
+    axes: dict[str, Distribution] = Field(
+        min_length=1, description="Spec path -> distribution, e.g. optimizer.lr."
+    )
+
+
+#: ``seeds``: a list of seeds, or how many (read as 0..n-1 before validation).
+_SEEDS_SCHEMA = {
+    "anyOf": [
+        {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1},
+        {"type": "integer", "minimum": 1, "maximum": 10_000},
+        {"type": "null"},
+    ]
+}
+
+
+class SweepFile(_Table):
+    """A sweep file: a base spec, fixed overrides, and the axes trials vary."""
+
+    name: str | None = Field(
+        None,
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
+        max_length=100,
+        description="The sweep's name (its default directory runs/sweeps/<name>); default: the "
+        "sweep file's name.",
+    )
+    description: str | None = None
+    base: str = Field(
+        min_length=1,
+        description="The spec every trial starts from: a file relative to the sweep file, "
+        "or a preset name.",
+    )
+    overrides: list[str] = Field(
+        default_factory=list,
+        alias="set",
+        description="--set overrides for every trial, applied before the axes.",
+    )
+    seeds: Annotated[list[int] | None, WithJsonSchema(_SEEDS_SCHEMA)] = Field(
+        None,
+        min_length=1,
+        description="Repeat every configuration once per seed (train.seed); an integer n "
+        "means seeds 0..n-1.",
+    )
+    metric: Literal["val_loss", "best_val_loss", "train_loss"] = Field(
+        "val_loss",
+        description="What the plots show: the final or best validation loss, or the final "
+        "training loss.",
+    )
+    axes: dict[str, Axis] = Field(
+        default_factory=dict,
+        description="Spec path -> values; the grid is the product of every axis and zip group.",
+    )
+    zipped: list[dict[str, Axis]] = Field(
+        default_factory=list,
+        alias="zip",
+        description="Groups of axes that vary together (equal lengths): one grid axis each.",
+    )
+    random: RandomSearch | None = Field(
+        None, description="Random search instead of a grid (no `axes` or `zip` beside it)."
+    )
+
+    @field_validator("seeds", mode="before")
+    @classmethod
+    def _seed_count(cls, value: Any) -> Any:
+        if isinstance(value, int) and not isinstance(value, bool):
+            if not 1 <= value <= 10_000:
+                raise ValueError("a seed count must be between 1 and 10000")
+            return list(range(value))
+        return value
+
+    @field_validator("seeds")
+    @classmethod
+    def _seed_values(cls, seeds: list[int] | None) -> list[int] | None:
+        if seeds is not None:
+            if any(not 0 <= s < 2**63 for s in seeds):
+                raise ValueError("seeds must be in [0, 2**63)")
+            if len(set(seeds)) != len(seeds):
+                raise ValueError(f"seeds must be distinct, got {seeds}")
+        return seeds
+
+    @field_validator("overrides")
+    @classmethod
+    def _assignments(cls, sets: list[str]) -> list[str]:
+        for s in sets:
+            key, sep, _ = s.partition("=")
+            if not sep or not PATH_PATTERN.fullmatch(key.strip()):
+                raise ValueError(f"{s!r}: expected KEY=VALUE, e.g. train.max_steps=200")
+        return sets
+
+    @model_validator(mode="after")
+    def _axes(self) -> SweepFile:
+        if self.random is not None and (self.axes or self.zipped):
+            raise ValueError("random: a random search replaces the grid; drop `axes` and `zip`")
+        paths: list[str] = []
+        for group in self.zipped:
+            if not group:
+                raise ValueError("zip: a group needs at least one axis")
+            lengths = {p: len(axis_values(a)) for p, a in group.items()}
+            if len(set(lengths.values())) > 1:
+                sizes = ", ".join(f"{p} has {n}" for p, n in lengths.items())
+                raise ValueError(f"zip: the axes of a group need as many values each ({sizes})")
+        for group in (self.axes, *self.zipped, self.random.axes if self.random else {}):
+            paths += list(group)
+            bad = [p for p in group if not PATH_PATTERN.fullmatch(p)]
+            if bad:
+                raise ValueError(f"{bad[0]!r} is not a spec path such as optimizer.lr")
+        twice = sorted({p for p in paths if paths.count(p) > 1})
+        if twice:
+            raise ValueError(f"an axis appears twice: {', '.join(twice)}")
+        if self.seeds is not None and "train.seed" in paths:
+            raise ValueError("`seeds` sets train.seed: it cannot also be an axis")
+        return self
+
+
+def axis_values(axis: Any) -> list[Any]:
+    """The values of a grid axis (a list, or a range)."""
+    return list(axis) if isinstance(axis, list) else axis.values()
+
+
+def sweep_schema() -> dict[str, Any]:
+    """The JSON Schema (draft 2020-12) of a sweep file."""
+    schema = SweepFile.model_json_schema(by_alias=True)
+    schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+    schema["title"] = "llmkit sweep"
+    return schema
+
+
+def read_sweep(path: str | Path) -> SweepFile:
+    """Read and validate a sweep file (TOML or YAML, read as spec files are); a
+    :class:`SpecError` lists every problem, each with its path in the file."""
+    from llmkit.spec import read_spec_file
+
+    p = Path(path)
+    if not p.is_file():
+        raise LlmkitError(f"sweep file not found: {p}")
+    data = read_spec_file(p)
+    try:
+        return SweepFile.model_validate(data)
+    except ValidationError as exc:
+        raise SpecError(validation_problems(exc), str(p)) from None
+
+
+#: The tables an axis may be, by the tag pydantic puts in an error's location.
+_TAGGED: dict[str, type[BaseModel] | None] = {
+    "list": None,
+    "log": LogRange,
+    "linear": LinearRange,
+    "log_uniform": LogUniform,
+    "uniform": Uniform,
+    "choice": Choice,
+}
+
+
+def _keys(model: type[BaseModel]) -> list[str]:
+    return [f.alias or name for name, f in model.model_fields.items()]
+
+
+def validation_problems(exc: ValidationError) -> list[str]:
+    """One line per problem of a sweep file: ``axes["optimizer.lr"].num: ...``."""
+    problems = []
+    for err in exc.errors():
+        loc, table = list(err["loc"]), SweepFile
+        parts: list[str] = []
+        for i, part in enumerate(loc):
+            axis_key = i >= 2 and (loc[i - 2] == "axes" or (i >= 3 and loc[i - 3] == "zip"))
+            if axis_key and isinstance(part, str) and part in _TAGGED:
+                table = _TAGGED[part] or table  # the tag pydantic adds: not in the file
+                continue
+            if part == "random" and i == 0:
+                table = RandomSearch
+            if isinstance(part, int):
+                parts.append(f"[{part}]")
+            elif "." in part:
+                parts.append(f"[{json.dumps(part)}]")
+            else:
+                parts.append(f".{part}" if parts else part)
+        where = "".join(parts)
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            allowed = _keys(table)
+            close = difflib.get_close_matches(str(loc[-1]), allowed, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            msg = f"unknown key{hint} (allowed: {', '.join(allowed)})"
+        problems.append(f"{where}: {msg}" if where else msg)
+    return problems
+
+
+# -- trials -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Trial:
+    """One configuration of a sweep: its id, the axis values it sets (spec path -> value),
+    its seed (None when the sweep names no seeds) and every ``--set`` override it trains
+    with (the sweep's ``set``, then the axes, then ``train.seed``)."""
+
+    index: int
+    id: str
+    values: dict[str, Any]
+    seed: int | None
+    overrides: list[str] = field(default_factory=list)
+
+
+def toml_literal(value: Any) -> str:
+    """``value`` as the ``--set`` syntax reads it back (TOML): ``0.001``, ``"sdpa"``,
+    ``[1, 2]``, ``{name = "rope"}``."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value, ensure_ascii=False).replace("\x7f", "\\u007f")
+    if isinstance(value, list):
+        return "[" + ", ".join(toml_literal(v) for v in value) + "]"
+    if isinstance(value, dict):
+        items = (f"{toml_literal(str(k))} = {toml_literal(v)}" for k, v in value.items())
+        return "{" + ", ".join(items) + "}"
+    raise ValueError(f"{value!r} cannot be written as a --set value")
+
+
+def value_label(value: Any) -> str:
+    """A short label of an axis value for trial ids: ``0.001``, ``4``, ``rope``."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    if isinstance(value, list):
+        return "+".join(value_label(v) for v in value)
+    if isinstance(value, dict):
+        return str(value.get("name")) if "name" in value else json.dumps(value, sort_keys=True)
+    return str(value)
+
+
+def short_names(paths: list[str]) -> dict[str, str]:
+    """Each path's last name (``optimizer.lr`` -> ``lr``), or the whole path where two
+    axes share a last name."""
+    last = [p.rsplit(".", 1)[-1] for p in paths]
+    return {p: (n if last.count(n) == 1 else p) for p, n in zip(paths, last)}
+
+
+def trial_id(index: int, width: int, values: dict[str, Any], seed: int | None) -> str:
+    """``t003-lr=0.001-n_heads=4-seed=1``: the index (unique on its own) and the values."""
+    names = short_names(list(values))
+    parts = [f"t{index:0{width}d}"]
+    parts += [f"{names[p]}={value_label(v)}" for p, v in values.items()]
+    if seed is not None:
+        parts.append(f"seed={seed}")
+    text = _UNSAFE.sub("_", "-".join(parts))
+    return text[:MAX_ID_LENGTH].rstrip("_-.")
+
+
+def configurations(sweep: SweepFile) -> list[dict[str, Any]]:
+    """Every configuration (spec path -> value) in order, before seeds."""
+    if sweep.random is not None:
+        rng = random.Random(sweep.random.seed)
+        return [
+            {p: d.draw(rng) for p, d in sweep.random.axes.items()}
+            for _ in range(sweep.random.samples)
+        ]
+    dims: list[list[dict[str, Any]]] = [
+        [{path: v} for v in axis_values(axis)] for path, axis in sweep.axes.items()
+    ]
+    for group in sweep.zipped:
+        columns = {p: axis_values(a) for p, a in group.items()}
+        n = len(next(iter(columns.values())))
+        dims.append([{p: vs[i] for p, vs in columns.items()} for i in range(n)])
+    return [{k: v for part in combo for k, v in part.items()} for combo in itertools.product(*dims)]
+
+
+def expand(sweep: SweepFile) -> list[Trial]:
+    """The sweep's trials: each configuration once per seed (seeds vary fastest)."""
+    configs = configurations(sweep)
+    seeds: list[int | None] = list(sweep.seeds) if sweep.seeds is not None else [None]
+    n = len(configs) * len(seeds)
+    width = max(3, len(str(n - 1)))
+    trials = []
+    for index, (values, seed) in enumerate(itertools.product(configs, seeds)):
+        overrides = list(sweep.overrides)
+        overrides += [f"{p}={toml_literal(v)}" for p, v in values.items()]
+        if seed is not None:
+            overrides.append(f"train.seed={seed}")
+        trials.append(Trial(index, trial_id(index, width, values, seed), values, seed, overrides))
+    return trials
+
+
+def axis_paths(sweep: SweepFile) -> list[str]:
+    """Every path the sweep varies, in file order."""
+    if sweep.random is not None:
+        return list(sweep.random.axes)
+    return [*sweep.axes, *(p for g in sweep.zipped for p in g)]
+
+
+def log_axes(sweep: SweepFile) -> set[str]:
+    """The paths whose values are log-spaced (plotted on a log x axis)."""
+    if sweep.random is not None:
+        return {p for p, d in sweep.random.axes.items() if isinstance(d, LogUniform)}
+    groups = [sweep.axes, *sweep.zipped]
+    return {p for g in groups for p, a in g.items() if isinstance(a, LogRange)}
+
+
+def zip_partners(sweep: SweepFile) -> dict[str, set[str]]:
+    """For each path, the paths that vary with it (its zip group, itself included)."""
+    out = {p: {p} for p in axis_paths(sweep)}
+    for group in sweep.zipped:
+        for p in group:
+            out[p] = set(group)
+    return out
