@@ -141,6 +141,7 @@ def _override(path: str, value: Any) -> str:
 def check_search(search: SearchSpec, base: Path) -> None:
     """Resolve the base spec with every parameter at each end of its range (each choice):
     all problems at once, before any trial runs."""
+    from llmkit.model import build_problems
     from llmkit.spec import load_spec
 
     problems: list[str] = []
@@ -152,7 +153,10 @@ def check_search(search: SearchSpec, base: Path) -> None:
                 continue
             tried.add(key)
             try:
-                load_spec(base, [*search.set, _override(path, value)])
+                rs = load_spec(base, [*search.set, _override(path, value)])
+                found = build_problems(rs)
+                if found:
+                    raise SpecError(found)
             except SpecError as exc:
                 problems += [f"{path} = {value!r}: {p}" for p in exc.problems]
             except LlmkitError as exc:

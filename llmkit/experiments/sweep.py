@@ -126,6 +126,7 @@ def _base_spec(base: str, root: Path) -> Path:
 def validate_plan(plan: SweepPlan) -> dict[str, Any]:
     """Every trial's resolved spec, by trial id; a :class:`SpecError` listing each invalid
     trial's problems (every one of them) when any trial does not resolve."""
+    from llmkit.model import build_problems
     from llmkit.spec import load_spec
 
     specs: dict[str, Any] = {}
@@ -133,7 +134,10 @@ def validate_plan(plan: SweepPlan) -> dict[str, Any]:
     bad = 0
     for trial in plan.trials:
         try:
-            specs[trial.id] = load_spec(plan.base, trial.overrides)
+            specs[trial.id] = rs = load_spec(plan.base, trial.overrides)
+            found = build_problems(rs)  # a component refusing its dimensions
+            if found:
+                raise SpecError(found)
         except SpecError as exc:
             bad += 1
             problems += [f"{trial.id}: {p}" for p in exc.problems]

@@ -312,3 +312,15 @@ class Transformer(nn.Module):
 def build_model(rs: ResolvedSpec) -> Transformer:
     """Build the model a resolved spec describes."""
     return Transformer(rs)
+
+
+def build_problems(rs: ResolvedSpec) -> list[str]:
+    """What stops the spec's model from being built — a component refusing its dimensions
+    (RoPE on an odd head size) — found by building it on the meta device: no memory, no
+    weights, before any data is read. Empty when it builds."""
+    try:
+        with torch.device("meta"):
+            build_model(rs)
+    except (LlmkitError, ValueError, TypeError, NotImplementedError) as exc:
+        return [str(exc)]
+    return []

@@ -6,7 +6,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from llmkit.errors import LlmkitError
+from llmkit.errors import LlmkitError, SpecError
+from llmkit.model import build_problems
 from llmkit.runs import default_run_dir, open_run
 from llmkit.spec import load_spec
 from llmkit.training import resume as resume_mod
@@ -42,6 +43,9 @@ def train(
         if spec_path is None:
             raise LlmkitError("a spec file is required (or --resume RUN_DIR)")
         rs = load_spec(spec_path, overrides or [])
+        found = build_problems(rs)  # before the data is read: a model that cannot be built
+        if found:
+            raise SpecError(found, str(spec_path))
         rd = Path(run_dir) if run_dir else default_run_dir(rs)
         resume_mod.check_new_run_dir(rd)
     t = rs.spec.train

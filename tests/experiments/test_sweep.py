@@ -274,6 +274,22 @@ def test_every_bad_trial_is_reported_at_once_and_nothing_runs(tmp_path, capsys):
         load_plan(sweep_file(tmp_path, 'base = "nope.toml"\n', "nobase.toml"))
 
 
+def test_a_model_that_cannot_be_built_is_caught_before_anything_runs(tmp_path):
+    """A spec that resolves but whose model cannot be built (RoPE on an odd head size) is
+    reported with the others, not found when its trial starts."""
+    write_train_spec(tmp_path, CORPUS, max_steps=4)
+    path = sweep_file(
+        tmp_path,
+        'base = "spec.yaml"\nset = ["model.n_heads=4"]\n[axes]\n"model.d_model" = [32, 36]\n',
+    )
+    with pytest.raises(SpecError) as info:
+        run_sweep(path, out=tmp_path / "out", log=lambda _: None)
+    message = str(info.value)
+    assert "(1 of 2 trials invalid; none was run)" in message
+    assert "t001-d_model=36: " in message and "rotary dimensions" in message
+    assert not (tmp_path / "out").exists()
+
+
 # -- running ------------------------------------------------------------------------------------
 
 

@@ -123,3 +123,24 @@ def test_sliding_window_cache_keeps_only_the_window():
     outs = [model(idx[:, t : t + 1], cache=cache).logits for t in range(20)]
     torch.testing.assert_close(torch.cat(outs, 1), full, atol=1e-5, rtol=1e-4)
     assert all(layer.length == 4 for layer in cache.layers)
+
+
+def test_build_problems_finds_what_only_building_would():
+    from llmkit.model import build_problems
+
+    good = load_spec_dict(tiny_spec(position={"name": "rope"}))
+    assert build_problems(good) == []
+    odd = load_spec_dict(tiny_spec(position={"name": "rope"}, d_model=36, n_heads=4))  # head 9
+    (problem,) = build_problems(odd)
+    assert "rotary dimensions must be a positive even number" in problem
+
+
+def test_train_refuses_an_unbuildable_model_before_reading_data(tmp_path, capsys):
+    from llmkit.cli import main
+    from tests.helpers import write_train_spec
+
+    spec = write_train_spec(tmp_path, "abc " * 100)
+    out = tmp_path / "run"
+    assert main(["train", str(spec), "--out", str(out), "--set", "model.n_heads=4",
+                 "--set", "model.d_model=36"]) == 2  # fmt: skip
+    assert "rotary dimensions" in capsys.readouterr().err and not out.exists()
