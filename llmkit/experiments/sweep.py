@@ -31,7 +31,7 @@ import sys
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +47,7 @@ from llmkit.experiments.sweep_axes import (
     expand,
     log_axes,
     read_sweep,
+    toml_literal,
     zip_partners,
 )
 
@@ -151,6 +152,73 @@ def validate_plan(plan: SweepPlan) -> dict[str, Any]:
     return specs
 
 
+MAX_STEPS = "train.max_steps"
+
+
+def wsd_stable_end(total_steps: int, decay_fraction: float) -> int:
+    """The last step of a WSD run's stable phase: its decay starts there (the formula of
+    :mod:`llmkit.components.schedule.wsd`)."""
+    return total_steps - max(1, round(decay_fraction * total_steps))
+
+
+def plan_branches(plan: SweepPlan, specs: dict[str, Any]) -> dict[str, tuple[str, int]]:
+    """``branch_budgets``: group the trials whose overrides differ only in
+    ``train.max_steps``; in each group of several budgets (a WSD schedule), the longest
+    trial gets ``train.checkpoint_steps`` at every shorter budget's stable end, and each
+    shorter trial is to be branched from it there. Updates ``plan.trials`` and ``specs``
+    for the longest trials; returns ``{shorter trial id: (longest trial id, step)}``.
+    :class:`SpecError` listing every group that cannot be branched."""
+    from llmkit.spec import load_spec
+
+    groups: dict[tuple[str, ...], list[Trial]] = {}
+    for trial in plan.trials:
+        key = tuple(o for o in trial.overrides if o.partition("=")[0].strip() != MAX_STEPS)
+        groups.setdefault(key, []).append(trial)
+    branches: dict[str, tuple[str, int]] = {}
+    problems: list[str] = []
+    longest_of: dict[str, list[int]] = {}
+    for group in groups.values():
+        steps = {t.id: specs[t.id].spec.train.max_steps for t in group}
+        longest = max(group, key=lambda t: steps[t.id])
+        shorter = [t for t in group if steps[t.id] < steps[longest.id]]
+        if not shorter:
+            continue
+        sched = specs[longest.id].schedule
+        if sched.name != "wsd":
+            problems.append(
+                f"{longest.id}: branch_budgets needs schedule 'wsd', not {sched.name!r} "
+                f"(budgets {sorted(set(steps.values()))})"
+            )
+            continue
+        fraction, warmup = sched.options.decay_fraction, sched.options.warmup_steps
+        own_end = wsd_stable_end(steps[longest.id], fraction)
+        for t in shorter:
+            at = wsd_stable_end(steps[t.id], fraction)
+            if at <= warmup or at > own_end:
+                problems.append(
+                    f"{t.id}: its decay would start at step {at}, "
+                    + (
+                        f"within the warmup ({warmup} steps)"
+                        if at <= warmup
+                        else f"past the stable phase of {longest.id} (ends at step {own_end})"
+                    )
+                    + "; it cannot be branched"
+                )
+                continue
+            branches[t.id] = (longest.id, at)
+            longest_of.setdefault(longest.id, []).append(at)
+    if problems:
+        where = str(plan.source) if plan.source is not None else f"sweep {plan.name}"
+        raise SpecError(problems, f"{where} (branch_budgets; none was run)")
+    for i, trial in enumerate(plan.trials):
+        if trial.id in longest_of:
+            kept = set(specs[trial.id].spec.train.checkpoint_steps) | set(longest_of[trial.id])
+            extra = f"train.checkpoint_steps={toml_literal(sorted(kept))}"
+            plan.trials[i] = replace(trial, overrides=[*trial.overrides, extra])
+            specs[trial.id] = load_spec(plan.base, plan.trials[i].overrides)
+    return branches
+
+
 def threads_per_worker(workers: int, cores: int | None = None) -> int:
     """CPU threads for each of ``workers`` trials at once: the cores this process may use,
     shared out, at least one."""
@@ -195,6 +263,7 @@ def run_sweep(
         raise LlmkitError(f"workers must be at least 1, got {workers}")
     plan = load_plan(sweep)
     specs = validate_plan(plan)
+    branches = plan_branches(plan, specs) if plan.sweep.branch_budgets else {}
     out_dir = Path(out) if out is not None else DEFAULT_ROOT / plan.name
     out_dir.mkdir(parents=True, exist_ok=True)
     from llmkit.runs.lock import LOCK_FILE, RunInUse, RunLock
@@ -209,6 +278,7 @@ def run_sweep(
         ) from None
     try:
         runner = _Runner(plan, specs, out_dir.absolute(), workers, retry_failed, log, progress)
+        runner.branches = branches
         return runner.run()
     finally:
         lock.release()
@@ -248,6 +318,8 @@ class _Runner:
         self.display: Any = None  # the SweepProgress while trials run
         self._accounts: dict[tuple[str, bool], dict[str, Any]] = {}
         self._shapes: dict[str, dict[str, Any]] = {}  # accounting by model shape
+        #: ``branch_budgets``: trial id -> (the trial it branches from, at which step).
+        self.branches: dict[str, tuple[str, int]] = {}
         self.threads = threads_per_worker(workers)
         self.gpus = _visible_gpus() if workers > 1 else 0
 
@@ -298,7 +370,10 @@ class _Runner:
             self._set(trial, state)
 
     def _run_dir(self, trial: Trial) -> Path:
-        return self.out / TRIALS_DIR / trial.id
+        return self._run_dir_of(trial.id)
+
+    def _run_dir_of(self, trial_id: str) -> Path:
+        return self.out / TRIALS_DIR / trial_id
 
     def _max_steps(self, trial: Trial) -> int:
         return self.specs[trial.id].spec.train.max_steps
@@ -323,7 +398,13 @@ class _Runner:
         row["flops"] = round(per_token * tokens) if per_token is not None and tokens else None
         row["run_dir"] = f"{TRIALS_DIR}/{trial.id}"
         row["error"] = self.errors.get(trial.id)
+        if self.plan.sweep.branch_budgets:
+            source = self.branches.get(trial.id)
+            row[report.BRANCH_COLUMN] = f"{source[0]}@{source[1]}" if source else None
         self.rows[trial.id] = row
+
+    def _extra_columns(self) -> list[str]:
+        return [report.BRANCH_COLUMN] if self.plan.sweep.branch_budgets else []
 
     def _accounting(self, trial: Trial) -> dict[str, Any]:
         """Parameters and FLOPs per token, from the run's own spec once it has one (it holds
@@ -349,7 +430,7 @@ class _Runner:
 
     def _write(self) -> None:
         rows = [self.rows[t.id] for t in self.plan.trials]
-        report.write_results(self.out, rows, self.plan.axes)
+        report.write_results(self.out, rows, self.plan.axes, self._extra_columns())
 
     # -- running -----------------------------------------------------------------------------
     def run(self) -> SweepResult:
@@ -376,7 +457,10 @@ class _Runner:
         try:
             while queue or self.running:
                 while queue and not self.stopping and len(self.running) < self.workers:
-                    self._start(queue.popleft(), display)
+                    trial = self._next(queue, display)
+                    if trial is None:  # only branches waiting for their source
+                        break
+                    self._start(trial, display)
                 for tid in list(self.running):
                     if self.running[tid].proc.poll() is not None:
                         self._finish(self.running.pop(tid), display)
@@ -404,7 +488,7 @@ class _Runner:
         result = SweepResult(
             self.out,
             rows,
-            report.columns(self.plan.axes),
+            report.columns(self.plan.axes, self._extra_columns()),
             self.metric,
             plots,
             self.stopping,
@@ -414,26 +498,60 @@ class _Runner:
             self.log(f"stopped by {self.stopping}: rerun the sweep to finish it")
         return result
 
+    def _next(self, queue: deque[Trial], display: report.SweepProgress) -> Trial | None:
+        """The first queued trial that can start now (taken off the queue): a branch waits
+        for the trial it branches from, and fails when that one ended otherwise."""
+        for trial in list(queue):
+            source = self.branches.get(trial.id)
+            if source is None or self._has_checkpoint(trial):
+                queue.remove(trial)
+                return trial
+            status = self.status[source[0]]
+            if status == "done":
+                queue.remove(trial)
+                return trial
+            waiting = status == "running" or any(t.id == source[0] for t in queue)
+            if not waiting:
+                queue.remove(trial)
+                self._set(trial, "failed", f"branch source {source[0]} is {status}")
+                self._write()
+                display.ended(trial, self.rows[trial.id])
+        return None
+
+    def _has_checkpoint(self, trial: Trial) -> bool:
+        from llmkit.runs.checkpoints import Checkpoints
+
+        run = self._run_dir(trial)
+        return run.is_dir() and Checkpoints(run).latest() is not None
+
     def _start(self, trial: Trial, display: report.SweepProgress) -> None:
+        from llmkit.runs.branch import branch_run
         from llmkit.runs.checkpoints import Checkpoints
         from llmkit.runs.lock import RunInUse
 
         run = self._run_dir(trial)
         latest = Checkpoints(run).latest() if run.is_dir() else None
-        if latest is None and run.exists():
-            try:
+        branched = None
+        try:
+            if latest is None and run.exists():
                 _clear_run_dir(run)  # left before its first checkpoint: start afresh
-            except RunInUse as exc:
-                self._set(trial, "failed", str(exc))
-                self._write()
-                display.ended(trial, self.rows[trial.id])
-                return
+            if latest is None and trial.id in self.branches:
+                source, step = self.branches[trial.id]
+                latest = Checkpoints(branch_run(self._run_dir_of(source), step, run)).latest()
+                branched = f"branched from {source} at step {step}"
+        except (RunInUse, LlmkitError) as exc:
+            self._set(trial, "failed", str(exc))
+            self._write()
+            display.ended(trial, self.rows[trial.id])
+            return
         cmd = self._command(trial, run, resume=latest is not None)
         slot = min(set(range(self.workers)) - {r.slot for r in self.running.values()})
         log_path = self.out / LOGS_DIR / f"{trial.id}.log"
         with open(log_path, "ab") as fh:
             start = fh.tell()
             stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+            if branched is not None:
+                fh.write(f"=== {stamp}: {branched}\n".encode())
             fh.write(f"=== {stamp}: {' '.join(cmd[2:])}\n".encode())
             fh.flush()
             proc = subprocess.Popen(
@@ -454,6 +572,8 @@ class _Runner:
         cmd = [sys.executable, "-m", "llmkit.cli", "train"]
         if resume:
             cmd += ["--resume", str(run)]
+            if trial.id in self.branches:  # its spec is still the long trial's
+                cmd += ["--set", f"{MAX_STEPS}={self._max_steps(trial)}"]
         else:
             cmd += [str(self.plan.base), "--out", str(run)]
             for assignment in trial.overrides:

@@ -274,6 +274,13 @@ class SweepFile(_Table):
     random: RandomSearch | None = Field(
         None, description="Random search instead of a grid (no `axes` or `zip` beside it)."
     )
+    branch_budgets: bool = Field(
+        False,
+        description="Trials that differ only in train.max_steps (a WSD schedule) share one "
+        "run: the longest trains and keeps a checkpoint where each shorter budget's decay "
+        "starts; each shorter trial is branched from there and trains only its decay "
+        "(exactly as a run of its own; see docs/experiments-branches.md).",
+    )
 
     @field_validator("seeds", mode="before")
     @classmethod

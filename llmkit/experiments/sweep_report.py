@@ -35,9 +35,13 @@ TAIL_COLUMNS = [
 STATUSES = ("done", "failed", "interrupted", "running", "pending")
 
 
-def columns(axes: Sequence[str]) -> list[str]:
-    """Every results column, in order."""
-    return [*LEAD_COLUMNS, *axes, *TAIL_COLUMNS]
+#: The column a sweep with ``branch_budgets`` adds: ``<trial>@<step>`` a trial was branched at.
+BRANCH_COLUMN = "branched_from"
+
+
+def columns(axes: Sequence[str], extra: Sequence[str] = ()) -> list[str]:
+    """Every results column, in order (``extra`` last: :data:`BRANCH_COLUMN`)."""
+    return [*LEAD_COLUMNS, *axes, *TAIL_COLUMNS, *extra]
 
 
 def read_records(path: Path, tail_bytes: int | None = None) -> list[dict[str, Any]]:
@@ -119,10 +123,12 @@ def accounting(rs: Any) -> dict[str, int | float]:
     }
 
 
-def write_results(out: Path, rows: list[dict[str, Any]], axes: Sequence[str]) -> None:
+def write_results(
+    out: Path, rows: list[dict[str, Any]], axes: Sequence[str], extra: Sequence[str] = ()
+) -> None:
     """``results.jsonl`` and ``results.csv`` (lists and tables as JSON), each replaced
     atomically."""
-    cols = columns(axes)
+    cols = columns(axes, extra)
     lines = "".join(json.dumps({c: row.get(c) for c in cols}) + "\n" for row in rows)
     _replace(out / "results.jsonl", lines)
     buf = io.StringIO()

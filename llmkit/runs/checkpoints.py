@@ -279,9 +279,11 @@ def set_rng_state(state: dict[str, Any]) -> None:
 class Checkpoints:
     """Writes and finds checkpoints of one run."""
 
-    def __init__(self, run_dir: Path, keep: int = 2) -> None:
+    def __init__(self, run_dir: Path, keep: int = 2, keep_steps: Iterable[int] = ()) -> None:
         self.dir = run_dir / "checkpoints"
         self.keep = keep
+        #: Checkpoints never pruned (``train.checkpoint_steps``: the steps runs branch from).
+        self.kept = {f"step-{s:06d}" for s in keep_steps}
 
     def save(
         self,
@@ -396,8 +398,8 @@ class Checkpoints:
         return ([latest] if latest is not None else []) + older
 
     def _prune(self) -> None:
-        keep = {p.name for p in (self.latest(), self.best()) if p is not None}
-        steps = self.steps()
+        keep = {p.name for p in (self.latest(), self.best()) if p is not None} | self.kept
+        steps = [p for p in self.steps() if p.name not in self.kept]
         keep.update(p.name for p in steps[-self.keep :])
         for p in steps:
             if p.name not in keep:

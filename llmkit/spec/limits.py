@@ -4,8 +4,8 @@ reading the corpus (or never, before running out of memory).
 Every spec: the model's parameters, estimated from its shapes, stay under
 :data:`MAX_PARAMETERS` (:func:`size_problems`). Spec files, as training recipes
 (:func:`recipe_problems`): the schedule fits in ``train.max_steps`` (warmup no longer than the
-run); a byte-level BPE vocabulary the run trains holds 256 bytes + the special tokens;
-``model.adapter`` comes with ``train.init_from``.
+run) and so do ``train.checkpoint_steps``; a byte-level BPE vocabulary the run trains holds
+256 bytes + the special tokens; ``model.adapter`` comes with ``train.init_from``.
 
 :func:`fit_warmup` scales a schedule's warmup down for a shorter ``--max-steps`` run.
 """
@@ -42,6 +42,11 @@ def recipe_problems(rs: Any) -> list[str]:
     problems: list[str] = []
     if SCHEDULE_KIND in by_kind:
         problems += _schedule_problems(*by_kind[SCHEDULE_KIND], spec.train.max_steps)
+    late = [s for s in spec.train.checkpoint_steps if s > spec.train.max_steps]
+    if late:
+        problems.append(
+            f"train.checkpoint_steps: {late[0]} exceeds train.max_steps ({spec.train.max_steps})"
+        )
     problems += _bpe_problems(spec)
     if ADAPTER_KIND in by_kind and spec.train.init_from is None:
         # the trainer's own check (llmkit.training.trainer), repeated for validation

@@ -8,7 +8,7 @@ not fields here: each kind declares its section in the registry, and
 from __future__ import annotations
 
 import re
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -219,6 +219,12 @@ class TrainSpec(Strict):
     log_interval: int = Field(10, gt=0, description="Write a metrics line every N steps.")
     checkpoint_interval: int | None = Field(
         None, gt=0, description="Checkpoint every N steps; default eval_interval."
+    )
+    checkpoint_steps: list[Annotated[int, Field(gt=0)]] = Field(
+        default_factory=list,
+        max_length=10_000,
+        description="Extra steps to save a checkpoint at, kept however many checkpoints are "
+        "pruned (each > 0 and <= max_steps): the steps a run is branched from.",
     )
     early_stopping_patience: int | None = Field(
         None, gt=0, description="Stop after N evaluations without a better val loss."

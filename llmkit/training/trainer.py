@@ -193,7 +193,7 @@ class Trainer:
             wrapped=wrapped,
             forward=torch.compile(wrapped) if t.compile else wrapped,
         )
-        self.checkpoints = Checkpoints(self.run_dir)
+        self.checkpoints = Checkpoints(self.run_dir, keep_steps=t.checkpoint_steps)
         self.metrics = RunLog.for_run(self.rs, self.run_dir)  # metrics.jsonl + train.loggers
 
         self.step = 0
@@ -368,7 +368,8 @@ class Trainer:
                         verdict = bool(self.on_eval(self.step, last_val))
                         if strategy.any([verdict])[0]:  # rank 0's verdict stops every rank
                             stopped, final = "pruned", True
-                if self.step % ckpt_every == 0 or final or self.step % t.eval_interval == 0:
+                due = self.step % ckpt_every == 0 or self.step % t.eval_interval == 0
+                if due or final or self.step in t.checkpoint_steps:
                     self._save(best=last_val is not None and last_val == self.best_val)
                     self._maybe_plot(history, final)
                 if out_of_time:

@@ -515,3 +515,73 @@ def test_a_killed_sweep_resumes_its_interrupted_trial_exactly(tmp_path):
         m["loss"] for m in metrics(ref_run) if "loss" in m
     ]
     assert (out / "plots" / "loss-curves.png").is_file()
+
+
+# -- branch_budgets ----------------------------------------------------------------------------
+
+WSD_SET = 'set = ["schedule={name = \\"wsd\\", warmup_steps = 2, decay_fraction = 0.25}"]'
+
+
+def test_branch_budgets_train_a_short_budget_as_a_cooldown_branch_of_the_long_one(tmp_path):
+    """Budgets 6 and 12 of one configuration ("a") share a run: the 12-step trial keeps a
+    checkpoint at step 4 (6 − max(1, round(0.25 · 6))), the 6-step trial is branched from it
+    and trains steps 5-6 only, ending exactly as configuration "b"'s 6 steps trained alone
+    (sample_prompt changes nothing with --no-sample: it only makes "b" a group of its own)."""
+    write_train_spec(tmp_path, CORPUS, max_steps=6, eval_interval=3)
+    path = sweep_file(
+        tmp_path,
+        f"""
+        name = "budgets"
+        base = "spec.yaml"
+        branch_budgets = true
+        {WSD_SET}
+        [[zip]]
+        "train.max_steps" = [6, 12, 6]
+        "train.sample_prompt" = ["a", "a", "b"]
+        """,
+    )
+    out = tmp_path / "out"
+    lines: list[str] = []
+    result = run_sweep(path, out=out, log=lines.append, progress=False)
+    short, long, alone = result.rows
+    assert [r["status"] for r in result.rows] == ["done"] * 3
+    assert long["trial"] == "t001-max_steps=12-sample_prompt=a"
+    defined = json.loads((out / "sweep.json").read_text())["trials"]
+    assert defined[1]["overrides"][-1] == "train.checkpoint_steps=[4]"
+    assert "checkpoint_steps" not in " ".join(defined[0]["overrides"] + defined[2]["overrides"])
+
+    log = (out / "logs" / f"{short['trial']}.log").read_text()
+    assert f"branched from {long['trial']} at step 4" in log
+    assert "step-000004 at step 4" in log and "--set train.max_steps=6" in log
+    branch = out / short["run_dir"]
+    assert json.loads((branch / "branch.json").read_text())["step"] == 4
+    for key in ("final_val_loss", "best_val_loss", "final_train_loss", "steps", "tokens"):
+        assert short[key] == alone[key], key
+    assert short["steps"] == 6 and long["steps"] == 12
+    assert [r["branched_from"] for r in result.rows] == [f"{long['trial']}@4", None, None]
+    assert result.columns[-1] == "branched_from"
+    with open(out / "results.csv", newline="") as fh:
+        assert next(csv.DictReader(fh))["branched_from"] == f"{long['trial']}@4"
+    losses = [[m["loss"] for m in metrics(out / r["run_dir"]) if "loss" in m] for r in result.rows]
+    assert losses[0] == losses[2] and len(losses[0]) == 6
+    assert losses[1][:4] == losses[0][:4]  # the shared stable phase
+    assert 4 in [int(p.name[5:]) for p in (out / long["run_dir"] / "checkpoints").glob("step-*")]
+
+
+def test_branch_budgets_refuse_a_schedule_other_than_wsd_or_a_decay_in_the_warmup(tmp_path):
+    write_train_spec(tmp_path, CORPUS, max_steps=6)
+    out = tmp_path / "out"
+    cosine = sweep_file(
+        tmp_path, 'base = "spec.yaml"\nbranch_budgets = true\n[axes]\n"train.max_steps" = [6, 12]\n'
+    )
+    with pytest.raises(SpecError, match="branch_budgets needs schedule 'wsd', not 'cosine'"):
+        run_sweep(cosine, out=out, log=lambda _: None)
+    early = sweep_file(
+        tmp_path,
+        f'base = "spec.yaml"\nbranch_budgets = true\n{WSD_SET}\n'
+        '[axes]\n"train.max_steps" = [3, 12]\n',
+        "early.toml",
+    )
+    with pytest.raises(SpecError, match=r"t000-max_steps=3: its decay would start at step 2, wit"):
+        run_sweep(early, out=out, log=lambda _: None)
+    assert not out.exists()
