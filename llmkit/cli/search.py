@@ -27,6 +27,12 @@ def configure_search(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trials", type=at_least(1), help="completed or pruned trials wanted")
     p.add_argument("--storage", help="database URL of the study (default: OUT/study.db)")
     p.add_argument(
+        "--seed-offset",
+        type=at_least(0),
+        default=0,
+        help="added to the search's seed: give each machine sharing a study its own",
+    )
+    p.add_argument(
         "--workers",
         type=at_least(1),
         default=1,
@@ -51,9 +57,13 @@ def run_search_command(args: argparse.Namespace) -> int:
         for flag in ("out", "trials", "storage"):
             if getattr(args, flag) is not None:
                 argv += [f"--{flag}", str(getattr(args, flag))]
-        helpers = [
-            subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL)
-            for _ in range(args.workers - 1)
+        helpers = [  # each its own sampler seed: the file's, plus its worker number
+            subprocess.Popen(
+                [*argv, "--seed-offset", str(args.seed_offset + i * 1000)],
+                env=env,
+                stdout=subprocess.DEVNULL,
+            )
+            for i in range(1, args.workers)
         ]
         import torch
 
@@ -65,6 +75,7 @@ def run_search_command(args: argparse.Namespace) -> int:
             out=args.out,
             trials=args.trials,
             storage=args.storage,
+            seed_offset=args.seed_offset,
             log=lambda m: con.print(m, markup=False),
         )
     finally:

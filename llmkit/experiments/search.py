@@ -174,7 +174,7 @@ class SearchResult:
     out: Path
 
 
-def _study(search: SearchSpec, out: Path, storage: str | None) -> Any:
+def _study(search: SearchSpec, out: Path, storage: str | None, seed_offset: int = 0) -> Any:
     import optuna
     from optuna.storages import RDBStorage, RetryFailedTrialCallback
 
@@ -185,12 +185,12 @@ def _study(search: SearchSpec, out: Path, storage: str | None) -> Any:
         grace_period=2 * HEARTBEAT_S,
         heartbeat_stale_trial_callback=RetryFailedTrialCallback(max_retry=1),
     )
+    # every process needs its own seed: equal seeds would draw equal trials side by side
+    seed = None if search.seed is None else search.seed + seed_offset
     if search.sampler == "tpe":
-        sampler: Any = optuna.samplers.TPESampler(
-            seed=search.seed, n_startup_trials=search.startup_trials
-        )
+        sampler: Any = optuna.samplers.TPESampler(seed=seed, n_startup_trials=search.startup_trials)
     else:
-        sampler = optuna.samplers.RandomSampler(seed=search.seed)
+        sampler = optuna.samplers.RandomSampler(seed=seed)
     pruner: Any = (
         optuna.pruners.MedianPruner(
             n_startup_trials=search.startup_trials, n_warmup_steps=search.prune_after_steps
@@ -214,11 +214,14 @@ def run_search(
     out: str | Path | None = None,
     trials: int | None = None,
     storage: str | None = None,
+    seed_offset: int = 0,
     log: Callable[[str], None] = print,
 ) -> SearchResult:
     """Run (or go on with) the search of a search file until its study holds ``trials``
     (default: the file's) completed or pruned trials; this process's share of the work
-    when others run the same study."""
+    when others run the same study. Each process working on one study needs its own
+    ``seed_offset`` (added to the file's seed): ``--workers`` numbers its processes, and
+    machines sharing a study pass ``--seed-offset``."""
     try:
         import optuna
     except ImportError:
@@ -237,7 +240,7 @@ def run_search(
     import datasets
 
     datasets.disable_progress_bars()  # one line per trial is the progress display
-    study = _study(search, out_dir, storage)
+    study = _study(search, out_dir, storage, seed_offset)
     done_states = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
 
     def objective(trial: Any) -> float:

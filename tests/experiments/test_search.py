@@ -91,3 +91,20 @@ def test_processes_share_a_study_through_its_storage(tmp_path):
     assert len(first.rows) == 2 and len(second.rows) == 3
     assert [r["trial"] for r in second.rows] == [0, 1, 2]
     assert not list((tmp_path / "b" / "trials").iterdir())[1:]  # b ran one trial itself
+
+
+def test_processes_on_one_study_draw_different_trials(tmp_path):
+    """Two processes with one seed would suggest the same parameters side by side; each
+    gets its own seed offset (``--workers`` numbers them)."""
+    path = write_search(
+        tmp_path,
+        'trials = 2\nsampler = "random"\nseed = 0\n'
+        '[params]\n"optimizer.lr" = { log_uniform = [1e-4, 1e-2] }\n',
+    )
+    storage = f"sqlite:///{tmp_path / 'shared.db'}"
+    run_search(path, out=tmp_path / "a", trials=1, storage=storage, log=lambda _m: None)
+    rows = run_search(
+        path, out=tmp_path / "b", trials=2, storage=storage, seed_offset=1000,
+        log=lambda _m: None,
+    ).rows  # fmt: skip
+    assert rows[0]["optimizer.lr"] != rows[1]["optimizer.lr"]
