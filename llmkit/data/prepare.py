@@ -68,7 +68,7 @@ def prepare_data(
         raise LlmkitError("no dataset source: the registry has no 'dataset' kind")
     run_dir = Path(run_dir)
     spec = rs.spec
-    seed = spec.train.seed
+    seed = spec.train.seed if spec.data.seed is None else spec.data.seed
     source = rs.dataset.build(rs.dataset.options)
     splits = source.splits(seed)
     chat_format = getattr(source, "chat_format", None)

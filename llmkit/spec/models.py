@@ -169,6 +169,13 @@ class DataSpec(Strict):
         None, description="Where tokenized data is cached; default <run>/data."
     )
     num_proc: int = Field(1, ge=1, description="Processes for tokenization (datasets.map).")
+    seed: int | None = Field(
+        None,
+        ge=0,
+        lt=2**63,
+        description="Seeds the train/validation split, the files picked and the tokenizer's "
+        "sample; default train.seed. Fix it to compare seeds on one validation set.",
+    )
     sampling: Literal["packed", "random", "padded"] = Field(
         "packed",
         description="packed: every block once per epoch (grid shifted in later epochs); "

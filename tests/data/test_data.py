@@ -373,3 +373,19 @@ def test_random_window_sampler_is_a_function_of_the_draw_count() -> None:
     assert torch.equal(b.next_batch(4)[0], batches[3][0])
     with pytest.raises(LlmkitError, match="shorter than one block"):
         RandomWindowSampler(np.arange(10), 16)
+
+
+def test_data_seed_fixes_the_split_whatever_the_training_seed(tmp_path: Path) -> None:
+    files = []
+    for i in range(12):
+        files.append(tmp_path / f"doc{i}.txt")
+        files[-1].write_text(f"document {i}: " + "abc " * 50)
+
+    def validation(train_seed: int, data_seed: int | None) -> list[int]:
+        rs = make_rs(files, source={"val_fraction": 0.3, "split": "file"}, seed=data_seed)
+        rs = rs.with_settings({"train.seed": train_seed})
+        run = tmp_path / f"run-{train_seed}-{data_seed}"
+        return prepare_data(rs, run, log=quiet).validation.array.tolist()
+
+    assert validation(1, 7) == validation(2, 7)  # one validation set for every seed
+    assert validation(1, None) != validation(2, None)  # by default train.seed picks it
