@@ -80,6 +80,11 @@ def run_search_command(args: argparse.Namespace) -> int:
         )
     finally:
         codes = [h.wait() for h in helpers]
+    if helpers:  # the others' last trials ended after this process's summary: read it again
+        result = run_search(
+            args.search_file, out=args.out, trials=args.trials, storage=args.storage,
+            seed_offset=args.seed_offset, log=lambda m: con.print(m, markup=False),
+        )  # fmt: skip
     if any(codes):
         con.print(f"{sum(1 for c in codes if c)} worker process(es) failed", markup=False)
     states: dict[str, int] = {}
