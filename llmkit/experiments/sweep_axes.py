@@ -279,7 +279,7 @@ class SweepFile(_Table):
         description="Trials that differ only in train.max_steps (a WSD schedule) share one "
         "run: the longest trains and keeps a checkpoint where each shorter budget's decay "
         "starts; each shorter trial is branched from there and trains only its decay "
-        "(exactly as a run of its own; see docs/experiments-branches.md).",
+        "(exactly as a run of its own; see docs/experiments.md).",
     )
 
     @field_validator("seeds", mode="before")

@@ -6,7 +6,7 @@ step. Resuming it (``train(None, run_dir=dst, resume=True, overrides=[...])``, o
 ``llmkit train --resume DST --set ...``) continues exactly where ``src`` was at ``step``:
 the weights, optimizer moments, data position and random state are the checkpoint's. With
 ``train.max_steps = T`` on a warmup-stable-decay run this trains the cooldown of a
-``T``-step run off the long run's stable phase (see docs/experiments-branches.md).
+``T``-step run off the long run's stable phase (see docs/experiments.md).
 
 ``dst`` is written under a temporary name and renamed into place; ``src`` is only read
 (its tokenized data is hard-linked where the file system allows, else copied).
