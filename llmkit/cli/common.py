@@ -120,15 +120,24 @@ def at_least(minimum: int) -> Callable[[str], int]:
     return integer
 
 
-def seconds(text: str) -> float:
-    """An argparse type: a finite number of seconds > 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
-    if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
-    return value
+def positive_float(what: str = "a number") -> Callable[[str], float]:
+    """An argparse type: a finite number > 0 (``1e21`` works), ``what`` naming it in the
+    error."""
+
+    def number(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if not math.isfinite(value) or value <= 0:
+            raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+        return value
+
+    return number
+
+
+#: An argparse type: a finite number of seconds > 0.
+seconds = positive_float("seconds")
 
 
 def seed(text: str) -> int:

@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from llmkit.cli.common import at_least, console, human, seed, table, write
+from llmkit.cli.common import at_least, console, human, positive_float, seed, table, write
 from llmkit.errors import LlmkitError
 
 DEFAULT_OUT = "scaling-fit.json"
@@ -51,15 +51,8 @@ def register_commands(register: Callable[..., Any]) -> None:
     )
 
 
-def _positive(text: str) -> float:
-    """An argparse type: a finite number > 0 (``1e21`` works)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
-    return value
+#: An argparse type: a finite number > 0 (``1e21`` works).
+_positive = positive_float()
 
 
 def _level(text: str) -> float:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -170,7 +169,7 @@ def save_result(
 ) -> Path:
     """Write ``eval/<task>[-<k>shot].json`` in the run directory (atomically) and append
     the same record to ``eval/results.jsonl``, the run's history of evaluations."""
-    from llmkit.runs.checkpoints import writing
+    from llmkit.runs.checkpoints import write_text_atomic, writing
 
     directory = run_dir / EVAL_DIR
     stem = result.task + (f"-{result.num_fewshot}shot" if result.num_fewshot else "")
@@ -183,16 +182,10 @@ def save_result(
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
     full = {**record, **({"samples": result.as_dict(samples=True)["samples"]} if samples else {})}
-    with writing(path):
-        directory.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp")
-        try:
-            tmp.write_text(json.dumps(_finite(full), indent=2) + "\n", encoding="utf-8")
-            os.replace(tmp, path)
-        finally:
-            tmp.unlink(missing_ok=True)
-        with (directory / HISTORY).open("a", encoding="utf-8") as fh:
-            fh.write(json.dumps(_finite(record)) + "\n")
+    directory.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(path, json.dumps(_finite(full), indent=2) + "\n")
+    with writing(path), (directory / HISTORY).open("a", encoding="utf-8") as fh:
+        fh.write(json.dumps(_finite(record)) + "\n")
     return path
 
 

@@ -26,9 +26,9 @@ trial whose process died (no heartbeat) is marked failed and its parameters trie
 from __future__ import annotations
 
 import csv
+import io
 import json
 import math
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -314,16 +314,15 @@ def trial_rows(study: Any, search: SearchSpec) -> list[dict[str, Any]]:
 def write_results(out: Path, rows: list[dict[str, Any]], search: SearchSpec) -> None:
     """``results.csv``, ``results.jsonl`` and ``plots/`` (the value against each parameter,
     and the best value so far against the trial number)."""
+    from llmkit.runs.checkpoints import write_text_atomic
+
     columns = list(dict.fromkeys(k for r in rows for k in r))
-    tmp = out / ".results.csv.tmp"
-    with tmp.open("w", newline="", encoding="utf-8") as fh:
-        writer = csv.DictWriter(fh, columns)
-        writer.writeheader()
-        writer.writerows(rows)
-    os.replace(tmp, out / "results.csv")
-    tmp = out / ".results.jsonl.tmp"
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
-    os.replace(tmp, out / "results.jsonl")
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, columns, lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(rows)
+    write_text_atomic(out / "results.csv", buf.getvalue())
+    write_text_atomic(out / "results.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
     _plot(out / "plots", rows, search)
 
 

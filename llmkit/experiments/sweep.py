@@ -349,12 +349,14 @@ class _Runner:
                     f"the base spec {self.plan.base} changed since {self.out} was started; "
                     "its done trials used the old one: choose another --out, or remove it"
                 )
-        _write_atomic(path, json.dumps(definition, indent=2) + "\n")
+        from llmkit.runs.checkpoints import write_text_atomic
+
+        write_text_atomic(path, json.dumps(definition, indent=2) + "\n")
         if self.plan.source is not None:
             shutil.copyfile(self.plan.source, self.out / f"sweep{self.plan.source.suffix}")
         else:
             dump = self.plan.sweep.model_dump(mode="json", by_alias=True, exclude_none=True)
-            _write_atomic(self.out / "sweep.yaml", yaml.safe_dump(dump, sort_keys=False))
+            write_text_atomic(self.out / "sweep.yaml", yaml.safe_dump(dump, sort_keys=False))
         (self.out / TRIALS_DIR).mkdir(exist_ok=True)
         (self.out / LOGS_DIR).mkdir(exist_ok=True)
         before_rows = report.read_results(self.out)
@@ -648,15 +650,6 @@ def _spec_digest(path: Path) -> str:
 
     text = json.dumps(load_raw(path), sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def _clear_run_dir(run: Path) -> None:

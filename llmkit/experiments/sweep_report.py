@@ -128,15 +128,17 @@ def write_results(
 ) -> None:
     """``results.jsonl`` and ``results.csv`` (lists and tables as JSON), each replaced
     atomically."""
+    from llmkit.runs.checkpoints import write_text_atomic
+
     cols = columns(axes, extra)
     lines = "".join(json.dumps({c: row.get(c) for c in cols}) + "\n" for row in rows)
-    _replace(out / "results.jsonl", lines)
+    write_text_atomic(out / "results.jsonl", lines)
     buf = io.StringIO()
     writer = csv.writer(buf, lineterminator="\n")
     writer.writerow(cols)
     for row in rows:
         writer.writerow([_cell(row.get(c)) for c in cols])
-    _replace(out / "results.csv", buf.getvalue())
+    write_text_atomic(out / "results.csv", buf.getvalue())
 
 
 def _cell(value: Any) -> Any:
@@ -147,15 +149,6 @@ def _cell(value: Any) -> Any:
     if isinstance(value, bool):
         return "true" if value else "false"
     return value
-
-
-def _replace(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def read_results(out: Path) -> dict[str, dict[str, Any]]:

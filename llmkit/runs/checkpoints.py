@@ -116,16 +116,21 @@ def rank_file(rank: int) -> str:
     return f"rank-{rank:05d}.pt"
 
 
-def write_json_atomic(path: Path, data: Any) -> None:
-    """Write JSON under a temporary name, then rename; :class:`NoSpaceLeft` on a full disk
-    (the temporary file removed)."""
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write UTF-8 text under a temporary name, then rename (readers never see half a
+    file); :class:`NoSpaceLeft` on a full disk (the temporary file removed)."""
     tmp = path.with_name(f".{path.name}.tmp")
     try:
         with writing(path):
-            tmp.write_text(json.dumps(data, indent=2) + "\n")
+            tmp.write_text(text, encoding="utf-8")
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    """:func:`write_text_atomic` of ``data`` as indented JSON."""
+    write_text_atomic(path, json.dumps(data, indent=2) + "\n")
 
 
 #: safetensors metadata key marking a file that holds only a run's trainable adapter state.
