@@ -31,13 +31,15 @@ import sys
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from llmkit.errors import LlmkitError, SpecError
+from llmkit.experiments import sweep_branches
+from llmkit.experiments import sweep_process as process
 from llmkit.experiments import sweep_report as report
 from llmkit.experiments.sweep_axes import (
     METRIC_COLUMNS,
@@ -47,7 +49,6 @@ from llmkit.experiments.sweep_axes import (
     expand,
     log_axes,
     read_sweep,
-    toml_literal,
     zip_partners,
 )
 
@@ -152,73 +153,6 @@ def validate_plan(plan: SweepPlan) -> dict[str, Any]:
     return specs
 
 
-MAX_STEPS = "train.max_steps"
-
-
-def wsd_stable_end(total_steps: int, decay_fraction: float) -> int:
-    """The last step of a WSD run's stable phase: its decay starts there (the formula of
-    :mod:`llmkit.components.schedule.wsd`)."""
-    return total_steps - max(1, round(decay_fraction * total_steps))
-
-
-def plan_branches(plan: SweepPlan, specs: dict[str, Any]) -> dict[str, tuple[str, int]]:
-    """``branch_budgets``: group the trials whose overrides differ only in
-    ``train.max_steps``; in each group of several budgets (a WSD schedule), the longest
-    trial gets ``train.checkpoint_steps`` at every shorter budget's stable end, and each
-    shorter trial is to be branched from it there. Updates ``plan.trials`` and ``specs``
-    for the longest trials; returns ``{shorter trial id: (longest trial id, step)}``.
-    :class:`SpecError` listing every group that cannot be branched."""
-    from llmkit.spec import load_spec
-
-    groups: dict[tuple[str, ...], list[Trial]] = {}
-    for trial in plan.trials:
-        key = tuple(o for o in trial.overrides if o.partition("=")[0].strip() != MAX_STEPS)
-        groups.setdefault(key, []).append(trial)
-    branches: dict[str, tuple[str, int]] = {}
-    problems: list[str] = []
-    longest_of: dict[str, list[int]] = {}
-    for group in groups.values():
-        steps = {t.id: specs[t.id].spec.train.max_steps for t in group}
-        longest = max(group, key=lambda t: steps[t.id])
-        shorter = [t for t in group if steps[t.id] < steps[longest.id]]
-        if not shorter:
-            continue
-        sched = specs[longest.id].schedule
-        if sched.name != "wsd":
-            problems.append(
-                f"{longest.id}: branch_budgets needs schedule 'wsd', not {sched.name!r} "
-                f"(budgets {sorted(set(steps.values()))})"
-            )
-            continue
-        fraction, warmup = sched.options.decay_fraction, sched.options.warmup_steps
-        own_end = wsd_stable_end(steps[longest.id], fraction)
-        for t in shorter:
-            at = wsd_stable_end(steps[t.id], fraction)
-            if at <= warmup or at > own_end:
-                problems.append(
-                    f"{t.id}: its decay would start at step {at}, "
-                    + (
-                        f"within the warmup ({warmup} steps)"
-                        if at <= warmup
-                        else f"past the stable phase of {longest.id} (ends at step {own_end})"
-                    )
-                    + "; it cannot be branched"
-                )
-                continue
-            branches[t.id] = (longest.id, at)
-            longest_of.setdefault(longest.id, []).append(at)
-    if problems:
-        where = str(plan.source) if plan.source is not None else f"sweep {plan.name}"
-        raise SpecError(problems, f"{where} (branch_budgets; none was run)")
-    for i, trial in enumerate(plan.trials):
-        if trial.id in longest_of:
-            kept = set(specs[trial.id].spec.train.checkpoint_steps) | set(longest_of[trial.id])
-            extra = f"train.checkpoint_steps={toml_literal(sorted(kept))}"
-            plan.trials[i] = replace(trial, overrides=[*trial.overrides, extra])
-            specs[trial.id] = load_spec(plan.base, plan.trials[i].overrides)
-    return branches
-
-
 def threads_per_worker(workers: int, cores: int | None = None) -> int:
     """CPU threads for each of ``workers`` trials at once: the cores this process may use,
     shared out, at least one."""
@@ -263,7 +197,7 @@ def run_sweep(
         raise LlmkitError(f"workers must be at least 1, got {workers}")
     plan = load_plan(sweep)
     specs = validate_plan(plan)
-    branches = plan_branches(plan, specs) if plan.sweep.branch_budgets else {}
+    branches = sweep_branches.plan_branches(plan, specs) if plan.sweep.branch_budgets else {}
     out_dir = Path(out) if out is not None else DEFAULT_ROOT / plan.name
     out_dir.mkdir(parents=True, exist_ok=True)
     from llmkit.runs.lock import LOCK_FILE, RunInUse, RunLock
@@ -321,7 +255,7 @@ class _Runner:
         #: ``branch_budgets``: trial id -> (the trial it branches from, at which step).
         self.branches: dict[str, tuple[str, int]] = {}
         self.threads = threads_per_worker(workers)
-        self.gpus = _visible_gpus() if workers > 1 else 0
+        self.gpus = process.visible_gpus() if workers > 1 else 0
 
     # -- set-up ------------------------------------------------------------------------------
     def _prepare(self) -> None:
@@ -562,7 +496,7 @@ class _Runner:
                 stdout=fh,
                 stderr=subprocess.STDOUT,
                 env=self._env(slot),
-                preexec_fn=_die_with_parent(),
+                preexec_fn=process.die_with_parent(),
             )
         self.running[trial.id] = _Running(trial, proc, slot, start)
         self._set(trial, "running")
@@ -575,7 +509,7 @@ class _Runner:
         if resume:
             cmd += ["--resume", str(run)]
             if trial.id in self.branches:  # its spec is still the long trial's
-                cmd += ["--set", f"{MAX_STEPS}={self._max_steps(trial)}"]
+                cmd += ["--set", f"{sweep_branches.MAX_STEPS}={self._max_steps(trial)}"]
         else:
             cmd += [str(self.plan.base), "--out", str(run)]
             for assignment in trial.overrides:
@@ -599,17 +533,17 @@ class _Runner:
     def _finish(self, running: _Running, display: report.SweepProgress) -> None:
         trial, rc = running.trial, running.proc.returncode
         run = self._run_dir(trial)
-        tail = _log_tail(self.out / LOGS_DIR / f"{trial.id}.log", running.log_from)
+        tail = process.log_tail(self.out / LOGS_DIR / f"{trial.id}.log", running.log_from)
         state = trial_state(run, self._max_steps(trial))
         error = None
         if rc == 0:
-            stopped = _stop_reason(tail)
+            stopped = process.stop_reason(tail)
             signalled = stopped is not None and stopped.startswith("SIG")
             status = "done" if state == "done" or not (self.stopping or signalled) else state
         elif self.stopping:
             status = state if state != "done" else "interrupted"
         else:
-            status, error = "failed", _error_line(tail, rc)
+            status, error = "failed", process.error_line(tail, rc)
         self._set(trial, status, error)
         self._write()
         display.ended(trial, self.rows[trial.id])
@@ -662,61 +596,3 @@ def _clear_run_dir(run: Path) -> None:
         shutil.rmtree(run)
     finally:
         lock.release()
-
-
-def _visible_gpus() -> int:
-    """CUDA devices to share out among workers (one each, round robin); 0 when
-    ``CUDA_VISIBLE_DEVICES`` is set already (it is kept) or there is no GPU."""
-    if "CUDA_VISIBLE_DEVICES" in os.environ:
-        return 0
-    import torch
-
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
-def _die_with_parent() -> Callable[[], None] | None:
-    """A ``preexec_fn`` asking Linux to send the trial SIGTERM when the sweep dies (so it
-    saves a checkpoint and ends, instead of training on unseen); None elsewhere."""
-    if not sys.platform.startswith("linux"):
-        return None
-    import ctypes
-
-    prctl = ctypes.CDLL(None, use_errno=True).prctl
-    set_pdeathsig = 1  # PR_SET_PDEATHSIG
-
-    def setup() -> None:
-        prctl(set_pdeathsig, int(signal.SIGTERM))
-
-    return setup
-
-
-def _log_tail(path: Path, start: int) -> list[str]:
-    """The lines a trial's attempt wrote to its log (from byte ``start``)."""
-    try:
-        with open(path, "rb") as fh:
-            fh.seek(start)
-            text = fh.read().decode("utf-8", errors="replace")
-    except OSError:
-        return []
-    return [line.strip() for line in text.replace("\r", "\n").splitlines() if line.strip()]
-
-
-def _stop_reason(lines: list[str]) -> str | None:
-    """Why ``llmkit train`` ended, from its ``done: ... (reason); val loss`` line."""
-    for line in reversed(lines):
-        if line.startswith("done: ") and "); val loss" in line:
-            return line.rpartition("); val loss")[0].rpartition("(")[2]
-    return None
-
-
-def _error_line(lines: list[str], rc: int) -> str:
-    """A failed trial's error: the CLI's ``error:`` line, else the last line it wrote (an
-    exception's), else how it ended."""
-    for line in reversed(lines):
-        if line.startswith("error: "):
-            return line.removeprefix("error: ")[:500]
-    if rc < 0:
-        with contextlib.suppress(ValueError):
-            return f"killed by {signal.Signals(-rc).name}"
-    tail = [line for line in lines if not line.startswith("===")]
-    return tail[-1][:500] if tail else f"exit status {rc}"

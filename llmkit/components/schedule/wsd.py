@@ -21,14 +21,21 @@ class Options(ScheduleOptions):
     )
 
 
+def stable_end(total_steps: int, decay_fraction: float) -> int:
+    """The last step of the stable phase: the decay takes the last
+    ``max(1, round(decay_fraction · total_steps))`` steps. A shorter run branched off a
+    longer one's stable phase there is that shorter run exactly (``branch_budgets``)."""
+    return total_steps - max(1, round(decay_fraction * total_steps))
+
+
 def build(options: Options, *, total_steps: int, base_lr: float = 1.0) -> Callable[[int], float]:
     """Return ``step -> base_lr · factor``: warmup, 1.0 until the last
     ``decay_fraction · total_steps`` steps, then a decay reaching ``min_lr_ratio`` at
     ``total_steps``."""
     check_steps(options.warmup_steps, total_steps, "wsd")
     warmup, floor, shape = options.warmup_steps, options.min_lr_ratio, options.decay_shape
-    decay_steps = max(1, round(options.decay_fraction * total_steps))
-    decay_start = total_steps - decay_steps
+    decay_start = stable_end(total_steps, options.decay_fraction)
+    decay_steps = total_steps - decay_start
     if decay_start < warmup:
         raise ValueError(
             f"schedule 'wsd': warmup_steps ({warmup}) + decay steps ({decay_steps} = "
