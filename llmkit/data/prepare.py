@@ -314,19 +314,24 @@ class _Encoder:
         self.tokenizer_json = tokenizer_json
         self.eos = [eos_id] if eos_id is not None else []
         self._tok: Any = None
+        self._table: Any = None
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_tok": None}
+        return {**self.__dict__, "_tok": None, "_table": None}
 
     def __call__(self, texts: list[str | None]) -> dict[str, list[Any]]:
         if self._tok is None:
-            from tokenizers import Tokenizer as HFTokenizer
-
-            self._tok = HFTokenizer.from_str(self.tokenizer_json)
+            self._tok = Tokenizer.from_str(self.tokenizer_json)
+            self._table = self._tok.char_table()
         clean = [t or "" for t in texts]
-        encode = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
-        encs = encode(clean, add_special_tokens=False)
-        ids = [e.ids + self.eos if t else [] for e, t in zip(encs, clean)]
+        fast = [self._table.encode(t) if self._table else None for t in clean]
+        slow = [t for t, f in zip(clean, fast) if f is None]
+        slow_ids = iter(self._tok.encode_batch(slow) if slow else [])
+        eos = np.asarray(self.eos, dtype=np.int32)
+        ids = [
+            (np.concatenate([f, eos]) if f is not None else next(slow_ids) + self.eos) if t else []
+            for t, f in zip(clean, fast)
+        ]
         return {"ids": ids, "n_bytes": [len(t.encode("utf-8")) for t in clean]}
 
 

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from llmkit.errors import LlmkitError
 
 if TYPE_CHECKING:
+    import numpy as np
     import tokenizers
 
     from llmkit.spec import TokenizerSpec
@@ -74,6 +75,16 @@ class Tokenizer:
         fast = getattr(self.tok, "encode_batch_fast", None)  # no offsets: cheaper
         encs = (fast or self.tok.encode_batch)(list(texts), add_special_tokens=False)
         return [e.ids for e in encs]
+
+    def char_table(self) -> CharTable | None:
+        """A char tokenizer's vocabulary as a lookup table (:class:`CharTable`); None for
+        other kinds."""
+        unk = self.unk_id
+        if self.kind != "char" or unk is None:
+            return None
+        vocab = self.tok.get_vocab(with_added_tokens=True)
+        specials = [t.content for t in self.tok.get_added_tokens_decoder().values()]
+        return CharTable(vocab, unk, specials)
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         """The text of ``ids``."""
@@ -223,6 +234,13 @@ class Tokenizer:
         self.save_config(path.parent)
 
     @classmethod
+    def from_str(cls, content: str, kind: Kind | None = None) -> Tokenizer:
+        """A tokenizer from tokenizer.json content (:meth:`to_str`)."""
+        from tokenizers import Tokenizer as HFTokenizer
+
+        return cls(HFTokenizer.from_str(content), kind)
+
+    @classmethod
     def load(
         cls, path: str | Path, kind: Kind | None = None, eos_token: str | None = None
     ) -> Tokenizer:
@@ -279,6 +297,39 @@ def _token_text(value: Any) -> str | None:
     if isinstance(value, dict):
         value = value.get("content")
     return value if isinstance(value, str) and value else None
+
+
+class CharTable:
+    """A char tokenizer's vocabulary indexed by code point: encodes a whole text with one
+    array lookup, hundreds of times faster than the tokenizer's regex split, and equal to
+    it (tests/data/test_tokenizer.py). ``encode`` returns None for a text it cannot do
+    alone: one holding a special token's text (the tokenizer matches those first) or one
+    that is not valid Unicode."""
+
+    def __init__(self, vocab: dict[str, int], unk_id: int, specials: Sequence[str]) -> None:
+        import numpy as np
+
+        singles = {c: i for c, i in vocab.items() if len(c) == 1}
+        self.table = np.full(max(map(ord, singles), default=0) + 1, unk_id, dtype=np.int32)
+        for c, i in singles.items():
+            self.table[ord(c)] = i
+        self.unk_id = unk_id
+        self.specials = [t for t in specials if len(t) > 1]
+
+    def encode(self, text: str) -> np.ndarray | None:
+        """The ids of ``text`` (int32), or None (see the class docstring)."""
+        import numpy as np
+
+        if any(s in text for s in self.specials):
+            return None
+        try:
+            points = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
+        except UnicodeEncodeError:  # a lone surrogate
+            return None
+        last = len(self.table) - 1
+        ids = self.table[np.minimum(points, last)]
+        ids[points > last] = self.unk_id
+        return ids
 
 
 def _infer_kind(tok: tokenizers.Tokenizer) -> Kind:

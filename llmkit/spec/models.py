@@ -224,6 +224,11 @@ class TrainSpec(Strict):
     eval_interval: int = Field(250, gt=0, description="Evaluate every N steps (and at the end).")
     eval_batches: int = Field(20, gt=0, description="Validation batches per evaluation.")
     log_interval: int = Field(10, gt=0, description="Write a metrics line every N steps.")
+    plot: bool = Field(
+        True,
+        description="Draw the loss curve (loss.png) at checkpoints and at the end; false "
+        "saves matplotlib's import (about a second) on short runs.",
+    )
     checkpoint_interval: int | None = Field(
         None, gt=0, description="Checkpoint every N steps; default eval_interval."
     )

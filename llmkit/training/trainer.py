@@ -549,7 +549,7 @@ class Trainer:
         """Redraw the loss curve at a checkpoint at most every ``PLOT_EVERY_S`` seconds."""
         now = time.monotonic()
         due = now - self._plotted >= metrics_mod.PLOT_EVERY_S
-        if self.strategy.is_main and not final and due:
+        if self.t.plot and self.strategy.is_main and not final and due:
             metrics_mod.plot_losses(history, self.run_dir / PLOT_FILE, self.rs.spec.name or "")
             self._plotted = now
 
@@ -558,5 +558,6 @@ class Trainer:
         model = self._full_model()
         if self.strategy.is_main:
             save_weights(model, self.run_dir / "model.safetensors")
-            metrics_mod.plot_losses(history, self.run_dir / PLOT_FILE, self.rs.spec.name or "")
+            if self.t.plot:
+                metrics_mod.plot_losses(history, self.run_dir / PLOT_FILE, self.rs.spec.name or "")
         return model

@@ -181,3 +181,39 @@ def test_missing_and_invalid_files(tmp_path: Path) -> None:
     bad.write_text(json.dumps({"model": "nonsense"}))
     with pytest.raises(LlmkitError, match="not a valid tokenizer"):
         Tokenizer.load(bad)
+
+
+@pytest.mark.parametrize("specials", [[], ["<|endoftext|>", "<pad>"], ["§"]])
+def test_char_table_equals_the_tokenizer(specials: list[str]) -> None:
+    import random
+
+    rng = random.Random(0)
+    alphabet = "abcdefgh \n\tXYZ.,é☃😀§"
+    tok = train_char(["".join(rng.choice(alphabet[:12]) for _ in range(200))], specials)
+    table = tok.char_table()
+    assert table is not None
+    for _ in range(50):  # known, unknown, astral and special characters mixed
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randrange(0, 80)))
+        ids = table.encode(text)
+        assert ids is not None and ids.tolist() == tok.encode(text)
+    with_special = "ab<|endoftext|>cd"
+    if "<|endoftext|>" in specials:
+        assert table.encode(with_special) is None  # left to the tokenizer
+    else:
+        assert table.encode(with_special).tolist() == tok.encode(with_special)
+
+
+def test_char_table_only_for_char_tokenizers(bpe: Tokenizer) -> None:
+    assert bpe.char_table() is None
+
+
+def test_encoder_mixes_table_and_tokenizer() -> None:
+    from llmkit.data.prepare import _Encoder
+
+    tok = train_char(["hello world"], ["<|endoftext|>"])
+    docs = ["hello", "", "he<|endoftext|>llo", None, "wörld"]
+    out = _Encoder(tok.to_str(), tok.eos_id)(docs)
+    eos = [tok.eos_id]
+    expected = [tok.encode(d) + eos if d else [] for d in docs]
+    assert [list(map(int, ids)) for ids in out["ids"]] == expected
+    assert out["n_bytes"] == [5, 0, 18, 0, 6]

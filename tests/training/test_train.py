@@ -62,6 +62,17 @@ def test_training_writes_the_run_directory(tmp_path):
     assert Checkpoints(run).latest().name == "step-000020"
 
 
+def test_plot_false_draws_no_loss_curve(tmp_path, monkeypatch):
+    import llmkit.training.metrics as train_module
+
+    monkeypatch.setattr(train_module, "PLOT_EVERY_S", 0.0)
+    monkeypatch.setattr(train_module, "plot_losses", lambda *a: pytest.fail("plotted"))
+    run = tmp_path / "run"
+    spec = write_spec(tmp_path, max_steps=6, eval_interval=3, plot=False)
+    assert train(spec, run_dir=run, log=lambda _m: None, progress=False).step == 6
+    assert not (run / "loss.png").exists() and (run / "model.safetensors").is_file()
+
+
 def test_loss_curve_is_drawn_during_training_at_most_every_plot_interval(tmp_path, monkeypatch):
     import llmkit.training.metrics as train_module
 
