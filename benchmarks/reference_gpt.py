@@ -185,8 +185,9 @@ def full_split_loss(model: GPT, data: Tensor, r: Recipe) -> float:
     return total / n
 
 
-def run(text: str, r: Recipe) -> dict:
-    """Train with the recipe; evaluations, the last validation loss and the timings."""
+def run(text: str, r: Recipe, full_split: bool = True) -> dict:
+    """Train with the recipe; evaluations, the last validation loss (and the loss over the
+    whole validation split unless ``full_split`` is false) and the timings."""
     t_start = time.perf_counter()
     torch.manual_seed(r.seed)
     train, val, vocab = char_splits(text)
@@ -211,7 +212,7 @@ def run(text: str, r: Recipe) -> dict:
         "evals": evals,
         "val_loss": evals[-1]["val"],
         "wall_s": time.perf_counter() - t_start,
-        "full_val_loss": full_split_loss(model, val, r),
+        "full_val_loss": full_split_loss(model, val, r) if full_split else None,
         "train_s": sum(step_times),
         "tokens_per_s": r.batch_size * r.block_size / med,
         "threads": torch.get_num_threads(),
@@ -255,9 +256,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--data", type=Path, default=Path("../shared/data/tinyshakespeare.txt"))
     ap.add_argument("--seed", type=int, default=1337)
     ap.add_argument("--max-iters", type=int, default=2000)
+    ap.add_argument("--eval-iters", type=int, default=20, help="batches per estimate")
+    ap.add_argument("--no-full-split", action="store_true", help="skip the full-split loss")
     args = ap.parse_args(argv)
-    r = Recipe(seed=args.seed, max_iters=args.max_iters, lr_decay_iters=args.max_iters)
-    print(json.dumps(run(args.data.read_text(encoding="utf-8"), r)))
+    r = Recipe(
+        seed=args.seed,
+        max_iters=args.max_iters,
+        lr_decay_iters=args.max_iters,
+        eval_iters=args.eval_iters,
+    )
+    text = args.data.read_text(encoding="utf-8")
+    print(json.dumps(run(text, r, full_split=not args.no_full_split)))
 
 
 if __name__ == "__main__":

@@ -121,6 +121,31 @@ def run_nanogpt(checkout: Path, max_steps: int | None) -> Result:
     return Result("nanoGPT train.py", None, wall, float(val[-1]), False)
 
 
+def startup(data: Path, repeats: int) -> dict[str, list[float]]:
+    """Start-up cost, side by side: the whole command for one optimizer step and one
+    validation batch on a new run directory (llmkit: tokenizer training and tokenizing
+    included), llmkit then the plain loop, ``repeats`` times."""
+    walls: dict[str, list[float]] = {"llmkit": [], "plain PyTorch": []}
+    ours = [
+        sys.executable,
+        "-m",
+        "llmkit.cli",
+        "train",
+        str(ROOT / "specs" / "shakespeare-char.toml"),
+    ]
+    ours += ["--no-progress", "--no-sample", "--max-steps", "1"]
+    for opt in ("train.eval_interval=1", "train.eval_batches=1", "train.plot=false"):
+        ours += ["--set", opt]
+    ours += ["--set", f"data.source.paths=[{json.dumps(str(data))}]"]
+    plain = [sys.executable, "-m", "benchmarks.reference_gpt", "--data", str(data)]
+    plain += ["--max-iters", "1", "--eval-iters", "1", "--no-full-split"]
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(repeats):
+            walls["llmkit"].append(_timed([*ours, "--out", f"{tmp}/run-{i}"], ROOT)[0])
+            walls["plain PyTorch"].append(_timed(plain, ROOT)[0])
+    return walls
+
+
 def summary(results: list[Result]) -> dict[str, dict[str, float]]:
     """Mean, min and max of wall time and validation loss per runner."""
     out: dict[str, dict[str, float]] = {}
@@ -148,7 +173,18 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     ap.add_argument("--no-reference", action="store_true", help="skip the plain loop")
     ap.add_argument("--max-steps", type=int, help="shorten every run (quick mode)")
     ap.add_argument("--json", type=Path, help="write the results here")
+    ap.add_argument(
+        "--startup", type=int, metavar="N", help="only time start-up, N times each side"
+    )
     args = ap.parse_args(argv)
+    if args.startup:
+        walls = startup(args.data.resolve(), args.startup)
+        for who, ws in walls.items():
+            print(f"{who:14} start-up: median {statistics.median(ws):.2f} s, min {min(ws):.2f} s")
+        report = {"machine": cpu_facts(), "startup": walls}
+        if args.json:
+            args.json.write_text(json.dumps(report, indent=2))
+        return report
     results: list[Result] = []
     with tempfile.TemporaryDirectory() as tmp:
         for seed in args.seeds:
