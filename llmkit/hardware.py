@@ -102,3 +102,40 @@ def measure_matmul_flops(dtype: torch.dtype, n: int = 512, seconds: float = 0.2)
         best = max(best, 2 * n**3 / dt)
         if time.perf_counter() > deadline:
             return best
+
+
+def last_level_cache_bytes() -> int | None:
+    """The CPU's largest cache in bytes (Linux sysfs), or None where it cannot be read."""
+    from pathlib import Path
+
+    sizes = []
+    for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        text = f.read_text().strip().upper()
+        with contextlib.suppress(ValueError):
+            unit = {"K": 1024, "M": 1024**2, "G": 1024**3}.get(text[-1:], 1)
+            sizes.append(int(text.rstrip("KMG")) * unit)
+    return max(sizes) if sizes else None
+
+
+def measure_read_bandwidth(
+    device: torch.device | str = "cpu", nbytes: int | None = None, repeats: int = 5
+) -> float:
+    """Memory read bandwidth in bytes/s: the best of ``repeats`` sums of an fp32 tensor of
+    ``nbytes`` (default: 8× the last-level cache, between 256 MiB and 1 GiB, so it streams
+    from memory), with torch's current number of threads. Decoding streams the weights the
+    same way, so weight bytes per step ÷ this is a decode speed no implementation beats."""
+    device = torch.device(device)
+    if nbytes is None:
+        llc = last_level_cache_bytes() if device.type == "cpu" else None
+        nbytes = min(max(8 * (llc or 0), 256 * 1024**2), 1024**3)
+    x = torch.ones(max(nbytes // 4, 1), device=device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    x.sum()  # warm-up (pages touched, threads started)
+    sync()
+    best = float("inf")
+    for _ in range(max(repeats, 1)):
+        t0 = time.perf_counter()
+        x.sum()
+        sync()
+        best = min(best, time.perf_counter() - t0)
+    return x.numel() * 4 / best

@@ -5,23 +5,30 @@ Our GPT-2-style spec (learned positions, LayerNorm, GELU-tanh MLP, biases, tied 
 is copied into a locally built ``GPT2LMHeadModel`` (no download): our fused qkv ``Linear``
 weight is (3·d, d) in q, k, v order, HF's ``Conv1D`` stores (d, 3·d), so weights are
 transposed. The suite first checks both give the same logits and the same greedy tokens,
-then times the same decode: a 1×32 prompt and 64 new tokens.
+then times the same decode: 32-token prompts (1 and 8 of them) and 64 new tokens, for
+llmkit fp32, llmkit int8 (``quantize_model(model, "int8")``: on CPU fbgemm's w8a8-dynamic
+linear, the tied head included) and transformers fp32.
 
 Quick mode: a tiny model (per-token overhead dominates). ``LLMKIT_BENCH=full``: GPT-2 small
-(124M parameters). Both run in one pytest-benchmark group, so the comparison table shows
-the ratio; ``test_llmkit_decodes_faster`` also checks it (best of interleaved runs).
+(124M parameters). Each batch size is one pytest-benchmark group, so the comparison table
+shows the ratios; ``test_llmkit_decodes_faster`` (fp32, batch 1) and
+``test_int8_decodes_twice_as_fast`` (int8, batch 1 and 8; ≥ 2× at GPT-2 small) also check
+them on the best of interleaved runs.
 """
 
 from __future__ import annotations
 
 import os
+import statistics
 import time
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from benchmarks.conftest import FULL
 from llmkit.inference import Sampling, generate_batch, prepare_for_decoding
+from llmkit.inference.quantize import quantize_model
 from llmkit.model import Transformer, build_model
 from llmkit.spec import load_spec_dict
 from tests.hf_gpt2 import gpt2_spec, to_hf_gpt2
@@ -29,32 +36,44 @@ from tests.hf_gpt2 import gpt2_spec, to_hf_gpt2
 transformers = pytest.importorskip("transformers")
 
 PROMPT, NEW = 32, 64
+BATCHES = (1, 8)
 #: d_model, n_layers, n_heads, vocab, max_seq_len
 SHAPE = (768, 12, 12, 50257, 1024) if FULL else (64, 2, 4, 512, 128)
 THREADS = int(os.environ.get("LLMKIT_BENCH_THREADS", "0")) or (
     torch.get_num_threads() if FULL else 1
 )
+#: Interleaved rounds of the ratio tests (``LLMKIT_BENCH_ROUNDS``).
+ROUNDS = int(os.environ.get("LLMKIT_BENCH_ROUNDS", "0")) or (2 if FULL else 5)
+#: int8 decode ÷ transformers fp32 that test_int8_decodes_twice_as_fast requires: the
+#: issue's 2× at GPT-2 small; at the quick size (overhead-bound) only faster.
+INT8_SPEEDUP = 2.0 if FULL else 1.0
 
 
 @pytest.fixture(scope="module")
-def pair():
+def models():
     threads = torch.get_num_threads()
     torch.set_num_threads(THREADS)
     torch.manual_seed(0)
     ours = build_model(load_spec_dict(gpt2_spec(*SHAPE))).eval()
     hf = to_hf_gpt2(ours)
+    int8 = quantize_model(ours, "int8")  # what `llmkit generate --quantize int8` decodes
     prepare_for_decoding(ours)  # what `llmkit generate` does to the models it loads
-    prompt = torch.randint(0, SHAPE[3], (1, PROMPT), generator=torch.Generator().manual_seed(1))
-    yield ours, hf, prompt
+    prepare_for_decoding(int8)
+    yield {"llmkit": ours, "llmkit-int8": int8, "transformers": hf}
     torch.set_num_threads(threads)
 
 
-def run_llmkit(ours: Transformer, prompt: torch.Tensor) -> list[int]:
+def prompts(batch: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(1)
+    return torch.randint(0, SHAPE[3], (batch, PROMPT), generator=gen)
+
+
+def run_llmkit(ours: Transformer, prompt: torch.Tensor) -> list[list[int]]:
     cfg = Sampling(max_new_tokens=NEW, temperature=0, ignore_eos=True)
-    return generate_batch(ours, prompt.tolist(), cfg)[0].ids
+    return [r.ids for r in generate_batch(ours, prompt.tolist(), cfg)]
 
 
-def run_hf(hf, prompt: torch.Tensor) -> list[int]:
+def run_hf(hf, prompt: torch.Tensor) -> list[list[int]]:
     with torch.inference_mode():
         out = hf.generate(
             prompt,
@@ -63,43 +82,87 @@ def run_hf(hf, prompt: torch.Tensor) -> list[int]:
             do_sample=False,
             use_cache=True,
         )
-    return out[0, prompt.shape[1] :].tolist()
+    return out[:, prompt.shape[1] :].tolist()
 
 
-def test_same_logits_and_greedy_tokens(pair):
-    ours, hf, prompt = pair
+def run(models, impl: str, prompt: torch.Tensor) -> list[list[int]]:
+    fn = run_hf if impl == "transformers" else run_llmkit
+    return fn(models[impl], prompt)
+
+
+def test_same_logits_and_greedy_tokens(models):
+    ours, hf, prompt = models["llmkit"], models["transformers"], prompts(1)
     with torch.no_grad():
         a, b = ours(prompt).logits, hf(prompt).logits
     torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
     assert run_llmkit(ours, prompt) == run_hf(hf, prompt)
 
 
-@pytest.mark.benchmark(group="greedy-decode-1x32+64")
-@pytest.mark.parametrize("impl", ["llmkit", "transformers"])
-def test_greedy_decode(benchmark, pair, impl):
-    ours, hf, prompt = pair
-    fn = (lambda: run_llmkit(ours, prompt)) if impl == "llmkit" else (lambda: run_hf(hf, prompt))
-    ids = benchmark.pedantic(fn, rounds=3 if FULL else 10, warmup_rounds=1)
-    assert len(ids) == NEW
+def test_int8_logits_are_close(models):
+    """Random weights are the hard case (no margin between logits): measured at GPT-2
+    small, the w8a8 error's standard deviation is 6 % of the logits' (cosine 0.998)."""
+    prompt = prompts(2)
+    with torch.no_grad():
+        a, b = models["llmkit"](prompt).logits, models["llmkit-int8"](prompt).logits
+    assert float(F.cosine_similarity(a.flatten(), b.flatten(), dim=0)) > 0.99
+
+
+@pytest.mark.parametrize("batch", BATCHES)
+@pytest.mark.parametrize("impl", ["llmkit", "llmkit-int8", "transformers"])
+def test_greedy_decode(benchmark, models, impl, batch):
+    benchmark.group = f"greedy-decode-{batch}x{PROMPT}+{NEW}"
+    prompt = prompts(batch)
+    ids = benchmark.pedantic(
+        lambda: run(models, impl, prompt), rounds=3 if FULL else 10, warmup_rounds=1
+    )
+    assert [len(r) for r in ids] == [NEW] * batch
     benchmark.extra_info["threads"] = THREADS
     if benchmark.stats:
-        benchmark.extra_info["tokens_per_s"] = (PROMPT + NEW) / benchmark.stats.stats.median
-        benchmark.extra_info["ms_per_new_token"] = 1000 * benchmark.stats.stats.median / NEW
+        median = benchmark.stats.stats.median
+        benchmark.extra_info["tokens_per_s"] = batch * (PROMPT + NEW) / median
+        benchmark.extra_info["ms_per_new_token"] = 1000 * median / NEW
 
 
-def test_llmkit_decodes_faster(pair):
+def interleaved(models, impls: tuple[str, ...], batch: int) -> dict[str, list[float]]:
+    """Seconds of each decode in ``ROUNDS`` rounds, each round running every impl once."""
+    prompt = prompts(batch)
+    for impl in impls:
+        run(models, impl, prompt)  # warm-up (and the weight layout for this batch)
+    times: dict[str, list[float]] = {impl: [] for impl in impls}
+    for _ in range(ROUNDS):
+        for impl in impls:
+            t0 = time.perf_counter()
+            run(models, impl, prompt)
+            times[impl].append(time.perf_counter() - t0)
+    return times
+
+
+def best_of_interleaved(models, impls: tuple[str, ...], batch: int) -> dict[str, float]:
+    return {impl: min(t) for impl, t in interleaved(models, impls, batch).items()}
+
+
+def test_llmkit_decodes_faster(models):
     """Interleaved runs, best of each: our decode takes less time than transformers'.
     Measured on a 2-core EPYC: 2.3× at the quick size (per-token overhead), 1.25–1.31× at
     GPT-2 small (the decoding weight layout, see
     ``llmkit.inference.layout.COLUMN_MAJOR_ON_CPU``)."""
-    ours, hf, prompt = pair
-    best = {"llmkit": float("inf"), "transformers": float("inf")}
-    for _ in range(2 if FULL else 5):
-        for name, fn in (("llmkit", run_llmkit), ("transformers", run_hf)):
-            model = ours if name == "llmkit" else hf
-            t0 = time.perf_counter()
-            fn(model, prompt)
-            best[name] = min(best[name], time.perf_counter() - t0)
+    best = best_of_interleaved(models, ("llmkit", "transformers"), 1)
     ratio = best["transformers"] / best["llmkit"]
     print(f"\nllmkit {best['llmkit']:.3f}s, transformers {best['transformers']:.3f}s: ×{ratio:.2f}")
     assert ratio > 1.0, best
+
+
+@pytest.mark.parametrize("batch", BATCHES)
+def test_int8_decodes_twice_as_fast(models, batch):
+    """Interleaved runs, best of each: int8 decode (fbgemm w8a8-dynamic on CPU) against
+    transformers fp32; ≥ 2× at GPT-2 small (see docs/generation.md for the figures)."""
+    times = interleaved(models, ("llmkit-int8", "llmkit", "transformers"), batch)
+    best = {impl: min(t) for impl, t in times.items()}
+    hf, int8, fp32 = best["transformers"], best["llmkit-int8"], best["llmkit"]
+    rounds = [h / q for h, q in zip(times["transformers"], times["llmkit-int8"])]
+    print(
+        f"\nbatch {batch}, best of {ROUNDS}: llmkit int8 {int8:.3f}s, fp32 {fp32:.3f}s, "
+        f"transformers {hf:.3f}s: int8 ×{hf / int8:.2f}, fp32 ×{hf / fp32:.2f} transformers; "
+        f"int8 per round: median ×{statistics.median(rounds):.2f}, worst ×{min(rounds):.2f}"
+    )
+    assert hf / int8 >= INT8_SPEEDUP, best

@@ -14,7 +14,16 @@ Every figure is the median of ``repeats`` runs after one warm-up run, on random 
   CUDA ``torch.cuda.max_memory_allocated``; on CPU the process's resident memory, sampled
   every millisecond from /proc (``ru_maxrss``, the lifetime peak, elsewhere) — so it also
   counts the Python interpreter and the torch runtime (a few hundred MB);
-- ``kv_cache_bytes``: the KV cache's allocated buffers at the end of the run.
+- ``kv_cache_bytes``: the KV cache's allocated buffers at the end of the run;
+- ``read_bytes_per_step``: the weight bytes one decoding step reads
+  (:func:`~llmkit.inference.quantize.decode_read_bytes`: every weight but the looked-up
+  embedding tables; an int8 head counts its int8 bytes);
+- ``read_bandwidth``: the memory read bandwidth measured here
+  (:func:`llmkit.hardware.measure_read_bandwidth`, bytes/s);
+- ``limit_tokens_per_s``: the memory-bandwidth bound per sequence, ``read_bandwidth /
+  read_bytes_per_step``: each step streams every weight once and gives each row one token,
+  so no decoder reads its weights faster (the KV cache, read too, is left out, so the
+  bound is optimistic); ``fraction_of_limit``: decode tokens/s per sequence ÷ that bound.
 """
 
 from __future__ import annotations
@@ -29,9 +38,10 @@ from pathlib import Path
 
 import torch
 
+from llmkit.hardware import measure_read_bandwidth
 from llmkit.inference.decode import DecodeContext, Row, model_device, sample_steps
 from llmkit.inference.layout import fit_layout
-from llmkit.inference.quantize import weight_bytes
+from llmkit.inference.quantize import decode_read_bytes, weight_bytes
 from llmkit.inference.sampling import Sampling
 from llmkit.model import Transformer
 
@@ -49,6 +59,10 @@ class GenerateTiming:
     weight_bytes: int
     kv_cache_bytes: int
     kv_cache: bool  # decoding through a KV cache (else full forwards)
+    read_bytes_per_step: int = 0
+    read_bandwidth: float = 0.0  # bytes/s
+    limit_tokens_per_s: float = 0.0  # per sequence
+    fraction_of_limit: float = 0.0
 
     def as_dict(self) -> dict[str, float | int | bool]:
         return asdict(self)
@@ -132,6 +146,14 @@ def _one_run(
     return prefill, first, total - first, kv
 
 
+def bandwidth_limit(read_bytes_per_step: int, bandwidth: float) -> float:
+    """Decode tokens/s per sequence that ``bandwidth`` (bytes/s) allows when every step
+    reads ``read_bytes_per_step`` bytes of weights (the memory-bandwidth bound)."""
+    if read_bytes_per_step <= 0 or bandwidth <= 0:
+        raise ValueError("the bound needs positive bytes per step and bandwidth")
+    return bandwidth / read_bytes_per_step
+
+
 def bench_generate(
     model: Transformer,
     batch_sizes: tuple[int, ...] = (1, 8),
@@ -139,15 +161,20 @@ def bench_generate(
     new_tokens: int = 128,
     repeats: int = 3,
     seed: int = 0,
+    bandwidth: float | None = None,
 ) -> list[GenerateTiming]:
     """Time greedy generation of ``new_tokens`` after random ``prompt_len``-token prompts
-    at each batch size (see the module docstring for what each figure means)."""
+    at each batch size (see the module docstring for what each figure means).
+    ``bandwidth`` (bytes/s) is measured on the model's device unless given."""
     if new_tokens < 2:
         raise ValueError("new_tokens must be ≥ 2 to time decoding")
     model.eval()
     device = model_device(model)
-    limit = model.config.max_seq_len
-    prompt_len = max(1, min(prompt_len, limit - 1))
+    read_bytes = decode_read_bytes(model)
+    if bandwidth is None:
+        bandwidth = measure_read_bandwidth(device)
+    limit = bandwidth_limit(read_bytes, bandwidth) if read_bytes else 0.0
+    prompt_len = max(1, min(prompt_len, model.config.max_seq_len - 1))
     gen = torch.Generator().manual_seed(seed)
     out = []
     for b in batch_sizes:
@@ -164,19 +191,24 @@ def bench_generate(
         prefill = statistics.median(r[0] for r in runs)
         first = statistics.median(r[1] for r in runs)
         decode = statistics.median(r[2] for r in runs)
+        per_seq = (new_tokens - 1) / decode
         out.append(
             GenerateTiming(
                 batch_size=b,
                 prompt_len=prompt_len,
                 new_tokens=new_tokens,
                 prefill_tokens_per_s=b * prompt_len / prefill,
-                decode_tokens_per_s=b * (new_tokens - 1) / decode,
+                decode_tokens_per_s=b * per_seq,
                 ttft_s=first,
                 decode_s=decode,
                 peak_memory_bytes=peak,
                 weight_bytes=weight_bytes(model),
                 kv_cache_bytes=runs[-1][3],
                 kv_cache=model.supports_kv_cache,
+                read_bytes_per_step=read_bytes,
+                read_bandwidth=bandwidth,
+                limit_tokens_per_s=limit,
+                fraction_of_limit=per_seq / limit if limit else 0.0,
             )
         )
     return out

@@ -30,7 +30,8 @@ def register_commands(register: Callable[..., Any]) -> None:
         help="generation speed: prefill and decode tokens/s, time to first token, memory",
         description="Time greedy generation on random prompts at each batch size: prompt "
         "processing and decoding tokens/s, time to first token, peak memory and KV-cache "
-        "size (medians of --repeats runs after a warm-up).",
+        "size (medians of --repeats runs after a warm-up), and the memory-bandwidth bound "
+        "of decoding: weight bytes read per step ÷ the measured read bandwidth.",
         configure=configure_generate,
     )
     register(
@@ -56,7 +57,12 @@ def configure_generate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--quantize", choices=["int8"])
+    p.add_argument(
+        "--quantize",
+        choices=["int8", "bf16", "auto"],
+        help="int8 (CPU: fbgemm w8a8-dynamic), bf16, or auto (bf16 where the hardware "
+        "multiplies it fast, else int8)",
+    )
     p.add_argument("--device", default="cpu", help="cpu (default), cuda, mps or auto")
     p.add_argument("--threads", type=at_least(1), default=None, help="torch CPU threads")
     add_set(p, help="override (spec file)")
@@ -98,6 +104,9 @@ def run_generate(args: argparse.Namespace) -> int:
     from llmkit import hardware
     from llmkit.bench.generation import bench_generate
 
+    sizes = _batch_sizes(args.batch_sizes)
+    if args.new_tokens < 2 or args.prompt_len < 1 or args.repeats < 1:
+        raise LlmkitError("--new-tokens must be ≥ 2, --prompt-len and --repeats ≥ 1")
     device = hardware.choose_device(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -113,9 +122,6 @@ def run_generate(args: argparse.Namespace) -> int:
     from llmkit.inference import prepare_for_decoding
 
     prepare_for_decoding(model)
-    sizes = _batch_sizes(args.batch_sizes)
-    if args.new_tokens < 2 or args.prompt_len < 1 or args.repeats < 1:
-        raise LlmkitError("--new-tokens must be ≥ 2, --prompt-len and --repeats ≥ 1")
     rows = bench_generate(
         model,
         batch_sizes=sizes,
@@ -123,11 +129,14 @@ def run_generate(args: argparse.Namespace) -> int:
         new_tokens=args.new_tokens,
         repeats=args.repeats,
     )
+    info = getattr(model, "quantization", None)
+    method = f"{info.method} ({info.backend})" if info is not None else None
     meta = {
         "model": name,
         "device": str(device),
         "threads": torch.get_num_threads(),
-        "quantize": args.quantize,
+        "quantize": info.method if info is not None else None,  # auto resolved
+        "quantize_backend": info.backend if info is not None else None,
         "params": params,
     }
     if args.json:
@@ -136,22 +145,40 @@ def run_generate(args: argparse.Namespace) -> int:
     con = console()
     con.print(
         f"{name}: {meta['params']:,} parameters on {device} ({meta['threads']} threads)"
-        + (f", {args.quantize}" if args.quantize else "")
-        + ("" if model.supports_kv_cache else ", no KV cache (full forward per token)"),
+        + (f", {method}" if method else "")
+        + ("" if model.supports_kv_cache else ", no KV cache (full forward per token)")
+        + f"; prompts of {rows[0].prompt_len} tokens, {args.new_tokens} new tokens",
         markup=False,
     )
-    out = table(
-        "batch", "prompt", "new", "prefill tok/s", "TTFT", "decode tok/s", "peak mem", "KV cache"
+    first = rows[0]
+    con.print(
+        f"weights {human_bytes(first.weight_bytes)}; a decoding step reads "
+        f"{human_bytes(first.read_bytes_per_step)} of them; read bandwidth "
+        f"{first.read_bandwidth / 1e9:.1f} GB/s → limit {first.limit_tokens_per_s:,.1f} "
+        "tok/s per sequence",
+        markup=False,
     )
-    con.print(f"weights {human_bytes(rows[0].weight_bytes)}", markup=False)
+    llc = hardware.last_level_cache_bytes() if device.type == "cpu" else None
+    if llc and first.read_bytes_per_step <= llc:
+        con.print(
+            f"(the weights fit in the {human_bytes(llc)} last-level cache: they need not "
+            "come from memory, so the limit does not bind)",
+            markup=False,
+        )
+    out = table(
+        "batch", "prefill tok/s", "TTFT", "decode tok/s", "limit", "of limit", "peak mem", "KV"
+    )
+    out.collapse_padding = True  # eight columns in 80 characters
+    for col in out.columns:
+        col.no_wrap = True
     for r in rows:
         out.add_row(
             str(r.batch_size),
-            str(r.prompt_len),
-            str(r.new_tokens),
             f"{r.prefill_tokens_per_s:,.0f}",
             f"{1000 * r.ttft_s:.1f} ms",
             f"{r.decode_tokens_per_s:,.1f}",
+            f"{r.batch_size * r.limit_tokens_per_s:,.0f}",
+            f"{100 * r.fraction_of_limit:.0f} %",
             human_bytes(r.peak_memory_bytes),
             human_bytes(r.kv_cache_bytes),
         )

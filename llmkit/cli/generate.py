@@ -69,7 +69,12 @@ def configure_generate(p: argparse.ArgumentParser) -> None:
         "of the turn); without MESSAGE, a conversation: one user turn per line of stdin",
     )
     p.add_argument("--system", metavar="TEXT", help="--chat: a system message first")
-    p.add_argument("--quantize", choices=["int8"], help="int8 weights (smaller; CPU: faster)")
+    p.add_argument(
+        "--quantize",
+        choices=["int8", "bf16", "auto"],
+        help="int8 weights (smaller; CPU: faster, fbgemm w8a8-dynamic), bf16, or auto "
+        "(bf16 where the hardware multiplies it fast, else int8)",
+    )
     p.add_argument("--device", default="cpu", help="cpu (default), cuda, mps or auto")
     p.add_argument("--json", action="store_true", help="print text, ids and finish reasons")
     p.add_argument("--weights", choices=WEIGHTS, default="final")

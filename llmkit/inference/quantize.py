@@ -1,29 +1,39 @@
-"""Int8 weight quantization of a trained model for inference.
+"""Low-precision weights for inference: int8 (two backends) and bf16.
 
-Every ``nn.Linear`` inside the blocks (attention projections, feed-forward layers, whatever a
-component builds from ``nn.Linear``) gets int8 weights with one scale per output channel
-(symmetric, per-channel). Token and position embeddings, norms and any parameter that is not
-an ``nn.Linear`` weight stay in their original precision. The output head is quantized when
-it has its own weight; a head tied to the token embedding stays tied and unquantized by
-default (quantizing it would add an int8 copy of the embedding next to the fp32 table the
-lookup still needs), ``head=True`` quantizes it anyway.
+**int8.** Every ``nn.Linear`` of the model (attention projections, feed-forward layers,
+whatever a component builds from ``nn.Linear``) and the output head get int8 weights with
+one scale per output channel (symmetric, round to nearest, ``|q| ≤ 127``). The head is the
+largest matrix a decoding step reads (GPT-2 small: 38.6 M of its 124 M weights), so it is
+quantized too. A head tied to the token embedding stays tied: the embedding looks its rows
+up in the head's int8 table (:class:`Int8Embedding`), so no fp32 table is kept (``dynamic``
+keeps a plain int8 copy of fbgemm's packed head for the lookup; the other backends share
+one table). Position embeddings, norms and biases keep their precision;
+``head=False`` leaves the head (and a tied embedding) as it was. Two backends:
 
-Two backends:
-
-- ``dynamic`` (CPU): PyTorch's dynamically quantized linear
-  (``torch.ao.nn.quantized.dynamic.Linear``, fbgemm/onednn kernels): activations are
-  quantized to int8 per call too, and the matrix product runs in int8 — smaller *and*
-  usually faster than fp32 on x86 CPUs. ``torch.ao.quantization`` is deprecated in favour of
-  torchao; where it is missing the ``weight_only`` backend is used.
+- ``dynamic`` (CPU, "w8a8-dynamic"): :class:`DynamicInt8Linear`, fbgemm's dynamically
+  quantized linear. The *activations* are quantized too, per call, per tensor (7-bit,
+  ``reduce_range``, which fbgemm's AVX2 kernels need), and the product runs in int8: not
+  weight-only, but 1.6–10× faster than fp32 per product on an AVX2 CPU (the fastest
+  decode here). Packing uses the ``torch.ops.quantized`` operators directly, not the deprecated
+  ``torch.ao.quantization`` workflow.
 - ``weight_only`` (any device): :class:`Int8Linear` keeps int8 weights and computes
-  ``(x @ q.T) * scale`` in the activation dtype — the memory saving without int8 kernels.
+  ``(x @ q.T) · scale`` in the activation's dtype: genuinely weight-only, the same memory
+  saving, but no faster than fp32 (PyTorch has no fast int8-weight fp32-activation kernel
+  on AVX2 CPUs; ``aten._weight_int8pack_mm`` measured slower than fp32 there).
 
-``auto`` picks ``dynamic`` for a CPU model when available, else ``weight_only``.
+``auto`` picks ``dynamic`` for a CPU model where fbgemm works, else ``weight_only``.
+
+**bf16.** :class:`BF16Linear` stores bf16 weights (half the bytes) and multiplies in bf16;
+the residual stream, norms and logits stay in the model's dtype. Fast only where the
+hardware multiplies bf16 natively (CUDA, AVX512-BF16 or AMX CPUs); on an AVX2 CPU bf16
+products are emulated and far slower than fp32. A tied head shares its bf16 table with the
+embedding. ``method="auto"`` (:func:`choose_method`) picks bf16 where it is fast, else int8.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -33,8 +43,19 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-METHODS = ("int8",)
+METHODS = ("int8", "bf16", "auto")
 BACKENDS = ("auto", "dynamic", "weight_only")
+#: Bytes fbgemm keeps per output channel of a packed int8 weight (fp32 scale, int32 zero
+#: point, int32 column offset).
+PACKED_BYTES_PER_CHANNEL = 12
+
+
+def _symmetric_int8(w: Tensor) -> tuple[Tensor, Tensor]:
+    """Per-row symmetric int8: values (out, in) and fp32 scales (out,), w ≈ q · scale."""
+    w = w.detach().float()
+    scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
+    q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+    return q.contiguous(), scale
 
 
 class Int8Linear(nn.Module):
@@ -53,14 +74,16 @@ class Int8Linear(nn.Module):
 
     @classmethod
     def from_float(cls, linear: nn.Linear) -> Int8Linear:
-        w = linear.weight.detach().float().contiguous()
-        scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
-        q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+        q, scale = _symmetric_int8(linear.weight)
         bias = None if linear.bias is None else linear.bias.detach().clone()
         return cls(q, scale, bias)
 
     def dequantized(self) -> Tensor:
         return self.weight.float() * self.scale[:, None]
+
+    def int8_weight(self) -> tuple[Tensor, Tensor]:
+        """The int8 values (out, in) and fp32 scales (out,)."""
+        return self.weight, self.scale
 
     def forward(self, x: Tensor) -> Tensor:
         y = F.linear(x, self.weight.to(x.dtype)) * self.scale.to(x.dtype)
@@ -73,6 +96,104 @@ class Int8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, int8"
 
 
+class DynamicInt8Linear(nn.Module):
+    """fbgemm's dynamically quantized linear (w8a8-dynamic, CPU): int8 per-channel weights
+    packed for fbgemm; each call quantizes ``x`` per tensor to 7 bits and multiplies in int8.
+
+    Built from the same symmetric int8 values as :class:`Int8Linear`; the output has the
+    input's dtype (the product itself is fp32)."""
+
+    def __init__(self, weight: Tensor, scale: Tensor, bias: Tensor | None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.has_bias = bias is not None
+        with _quiet():
+            zeros = torch.zeros(weight.shape[0], dtype=torch.long)
+            qweight = torch._make_per_channel_quantized_tensor(weight, scale.double(), zeros, 0)
+            b = None if bias is None else bias.detach().float().contiguous()
+            self._packed = torch.ops.quantized.linear_prepack(qweight, b)
+
+    @classmethod
+    def from_float(cls, linear: nn.Linear) -> DynamicInt8Linear:
+        q, scale = _symmetric_int8(linear.weight)
+        return cls(q, scale, None if linear.bias is None else linear.bias.detach())
+
+    def int8_weight(self) -> tuple[Tensor, Tensor]:
+        """The int8 values (out, in) and fp32 scales (out,), unpacked (a copy)."""
+        with _quiet():
+            w, _ = self._packed.unpack()
+            return w.int_repr(), w.q_per_channel_scales().float()
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = torch.ops.quantized.linear_dynamic(x.float(), self._packed, True)
+        return y if y.dtype == x.dtype else y.to(x.dtype)
+
+    def weight_nbytes(self) -> int:
+        n = self.out_features * (self.in_features + PACKED_BYTES_PER_CHANNEL)
+        return n + (4 * self.out_features if self.has_bias else 0)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            "int8 w8a8-dynamic (fbgemm)"
+        )
+
+
+class BF16Linear(nn.Module):
+    """A linear layer with bf16 weights: ``x`` is cast to bf16 for the product and the
+    result back to ``x``'s dtype; the bias is added in that dtype."""
+
+    def __init__(self, weight: Tensor, bias: Tensor | None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.register_buffer("weight", weight.detach().to(torch.bfloat16).contiguous())
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+
+    @classmethod
+    def from_float(cls, linear: nn.Linear) -> BF16Linear:
+        return cls(linear.weight, None if linear.bias is None else linear.bias.clone())
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = F.linear(x.to(torch.bfloat16), self.weight).to(x.dtype)
+        return y if self.bias is None else y + self.bias.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bf16"
+
+
+class Int8Embedding(nn.Module):
+    """A token embedding looked up in an int8 table with one scale per row (the int8 table
+    of a tied output head): ``weight[idx] · scale[idx]`` in ``dtype``."""
+
+    def __init__(self, weight: Tensor, scale: Tensor, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = weight.shape
+        self.dtype = dtype
+        self.register_buffer("weight", weight)
+        self.register_buffer("scale", scale)
+
+    def forward(self, idx: Tensor) -> Tensor:
+        rows = F.embedding(idx, self.weight).to(self.dtype)
+        return rows * self.scale[idx].unsqueeze(-1).to(self.dtype)
+
+
+class LowPrecisionEmbedding(nn.Module):
+    """A token embedding looked up in a bf16 table (a tied head's), returned in ``dtype``."""
+
+    def __init__(self, weight: Tensor, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = weight.shape
+        self.dtype = dtype
+        self.register_buffer("weight", weight)
+
+    def forward(self, idx: Tensor) -> Tensor:
+        return F.embedding(idx, self.weight).to(self.dtype)
+
+
+#: Modules that only look rows up: a decoding step reads a few rows of them, not all.
+LOOKUPS = (nn.Embedding, Int8Embedding, LowPrecisionEmbedding)
+
+
 @contextmanager
 def _quiet() -> Iterator[None]:
     with warnings.catch_warnings():
@@ -82,43 +203,39 @@ def _quiet() -> Iterator[None]:
         yield
 
 
+@functools.cache
 def dynamic_available() -> bool:
-    """Whether PyTorch's dynamically quantized linear works here (CPU, fbgemm/onednn)."""
+    """Whether fbgemm's dynamically quantized linear works here (x86 CPU builds)."""
     try:
-        with _quiet():
-            import torch.ao.nn.quantized.dynamic as nnqd
-            from torch.ao.quantization import per_channel_dynamic_qconfig
-
-            lin = nn.Linear(8, 4)
-            lin.qconfig = per_channel_dynamic_qconfig
-            nnqd.Linear.from_float(lin)(torch.zeros(1, 8))
+        DynamicInt8Linear.from_float(nn.Linear(8, 4))(torch.zeros(1, 8))
         return True
     except Exception:
         return False
 
 
-def _dynamic_linear(linear: nn.Linear) -> nn.Module:
-    with _quiet():
-        import torch.ao.nn.quantized.dynamic as nnqd
-        from torch.ao.quantization import per_channel_dynamic_qconfig
+def choose_method(device: torch.device | str = "cpu") -> str:
+    """``auto``: bf16 where the hardware multiplies it fast (a CUDA GPU with bf16, a CPU
+    with AVX512-BF16 or AMX), else int8."""
+    from llmkit.hardware import cpu_has_fast_bf16
 
-        src = nn.Linear(linear.in_features, linear.out_features, bias=linear.bias is not None)
-        src.weight = nn.Parameter(linear.weight.detach().float().contiguous().clone())
-        if linear.bias is not None:
-            src.bias = nn.Parameter(linear.bias.detach().float().clone())
-        src.qconfig = per_channel_dynamic_qconfig
-        return nnqd.Linear.from_float(src)
+    device = torch.device(device)
+    if device.type == "cuda":
+        return "bf16" if torch.cuda.is_bf16_supported() else "int8"
+    if device.type == "cpu":
+        return "bf16" if cpu_has_fast_bf16() else "int8"
+    return "int8"
 
 
-def _is_dynamic(mod: nn.Module) -> bool:
+def _is_legacy_dynamic(mod: nn.Module) -> bool:
     return type(mod).__module__.startswith("torch.ao.nn.quantized.dynamic")
 
 
 @dataclass
 class QuantizeReport:
-    backend: str
-    linears: int  # linear layers quantized
+    backend: str  # dynamic, weight_only or bf16
+    linears: int  # linear layers converted (the head included)
     params: int  # their weight parameters
+    method: str = "int8"
 
 
 def quantize_model(
@@ -129,20 +246,25 @@ def quantize_model(
     head: bool | None = None,
     inplace: bool = False,
 ) -> nn.Module:
-    """A copy of ``model`` (unless ``inplace``) with int8 linear weights (see the module
-    docstring). ``head=None`` quantizes an untied output head only. The result is for
-    inference: ``.eval()``, no gradients. ``model.quantization`` records what was done."""
+    """A copy of ``model`` (unless ``inplace``) with int8 or bf16 linear weights (see the
+    module docstring); ``method="auto"`` resolves with :func:`choose_method`. The head is
+    converted unless ``head=False``. The result is for inference: ``.eval()``, no
+    gradients. ``model.quantization`` records what was done."""
     if method not in METHODS:
         raise ValueError(f"unknown quantization {method!r}; choose from {', '.join(METHODS)}")
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; choose from {', '.join(BACKENDS)}")
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
-    if backend == "auto":
+    if method == "auto":
+        method = choose_method(device)
+    if method == "bf16":
+        backend = "bf16"
+    elif backend == "auto":
         backend = "dynamic" if device.type == "cpu" and dynamic_available() else "weight_only"
     elif backend == "dynamic" and device.type != "cpu":
         raise ValueError("the dynamic int8 backend runs on CPU only; use weight_only")
     elif backend == "dynamic" and not dynamic_available():
-        raise ValueError("this PyTorch has no dynamic int8 linear; use weight_only")
+        raise ValueError("this PyTorch has no fbgemm dynamic int8 linear; use weight_only")
     if not inplace:
         shared = {
             id(v): v for k in ("spec", "config") if (v := getattr(model, k, None)) is not None
@@ -152,51 +274,93 @@ def quantize_model(
     tok_emb = getattr(model, "tok_emb", None)
     tied_weight = tok_emb.weight if isinstance(tok_emb, nn.Embedding) else None
     targets: list[tuple[nn.Module, str, nn.Linear]] = []
+    tied_head: nn.Linear | None = None
     for parent in model.modules():
         for name, child in parent.named_children():
             if type(child) is not nn.Linear:
                 continue
-            is_head = parent is model and name == "lm_head"
-            tied = tied_weight is not None and child.weight is tied_weight
-            if is_head and not (head if head is not None else not tied):
-                continue
+            if parent is model and name == "lm_head":
+                if head is False:
+                    continue
+                if tied_weight is not None and child.weight is tied_weight:
+                    tied_head = child
             targets.append((parent, name, child))
     params = 0
     for parent, name, child in targets:
         params += child.weight.numel()
-        if backend == "dynamic":
-            new: nn.Module = _dynamic_linear(child)
-        else:
-            new = Int8Linear.from_float(child).to(child.weight.device)
+        new = _convert(child, backend)
         setattr(parent, name, new)
+        if child is tied_head:  # the embedding looks up the head's table
+            assert tok_emb is not None
+            model.tok_emb = _tied_embedding(new, tok_emb.weight.dtype)
     for p in model.parameters():
         p.requires_grad_(False)
-    model.quantization = QuantizeReport(backend, len(targets), params)  # type: ignore[assignment]
+    model.quantization = QuantizeReport(backend, len(targets), params, method)  # type: ignore[assignment]
     return model
 
 
-def weight_bytes(model: nn.Module) -> int:
-    """Bytes of the model's weights as stored: unique parameters, plus the int8 weights,
-    scales and zero points of quantized linear layers (buffers such as rotary tables,
-    which are recomputed rather than loaded, are not counted)."""
-    total = 0
-    seen: set[int] = set()
-    for p in model.parameters():
-        if id(p) not in seen:
-            seen.add(id(p))
-            total += p.numel() * p.element_size()
+def _convert(linear: nn.Linear, backend: str) -> nn.Module:
+    if backend == "bf16":
+        return BF16Linear.from_float(linear)
+    if backend == "dynamic":
+        return DynamicInt8Linear.from_float(linear)
+    return Int8Linear.from_float(linear).to(linear.weight.device)
+
+
+def _tied_embedding(head: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """The token embedding of a tied head: its own table (bf16, weight-only int8) or an
+    unpacked copy of fbgemm's int8 values (the same numbers)."""
+    if isinstance(head, BF16Linear):
+        return LowPrecisionEmbedding(head.weight, dtype)
+    assert isinstance(head, Int8Linear | DynamicInt8Linear)
+    weight, scale = head.int8_weight()
+    return Int8Embedding(weight, scale, dtype)
+
+
+def _weight_tensors(model: nn.Module) -> Iterator[tuple[nn.Module, int, int]]:
+    """(module, tensor id, bytes) of every weight a module holds: parameters, the buffers
+    of the quantized modules, and fbgemm's packed weights (one entry each)."""
     for mod in model.modules():
-        if isinstance(mod, Int8Linear):
-            total += mod.weight_nbytes()
-        elif _is_dynamic(mod):
-            with _quiet():
-                w, b = mod._packed_params._weight_bias()
-            total += w.numel()  # int8
-            if w.qscheme() in (torch.per_channel_affine, torch.per_channel_symmetric):
-                for t in (w.q_per_channel_scales(), w.q_per_channel_zero_points()):
-                    total += t.numel() * t.element_size()
-            else:
-                total += 8 + 8
-            if b is not None:
-                total += b.numel() * b.element_size()
-    return total
+        for p in mod.parameters(recurse=False):
+            yield mod, id(p), p.numel() * p.element_size()
+        if isinstance(mod, Int8Linear | BF16Linear | Int8Embedding | LowPrecisionEmbedding):
+            for b in mod.buffers(recurse=False):
+                yield mod, id(b), b.numel() * b.element_size()
+        elif isinstance(mod, DynamicInt8Linear):
+            yield mod, id(mod), mod.weight_nbytes()
+        elif _is_legacy_dynamic(mod):
+            yield mod, id(mod), _legacy_dynamic_nbytes(mod)
+
+
+def _legacy_dynamic_nbytes(mod: nn.Module) -> int:
+    with _quiet():
+        w, b = mod._packed_params._weight_bias()  # type: ignore[operator, union-attr]
+    total = w.numel()
+    if w.qscheme() in (torch.per_channel_affine, torch.per_channel_symmetric):
+        for t in (w.q_per_channel_scales(), w.q_per_channel_zero_points()):
+            total += t.numel() * t.element_size()
+    else:
+        total += 8 + 8
+    return total + (0 if b is None else b.numel() * b.element_size())
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of the model's weights as stored: unique parameters, plus the int8 or bf16
+    weights and per-channel data of converted layers (buffers such as rotary tables, which
+    are recomputed rather than loaded, are not counted)."""
+    sizes = {key: n for _, key, n in _weight_tensors(model)}
+    return sum(sizes.values())
+
+
+def decode_read_bytes(model: nn.Module) -> int:
+    """Weight bytes one decoding step reads: every weight counted by :func:`weight_bytes`
+    except tables that are only looked up (token and position embeddings: a step reads a
+    few rows of them). A tied fp32 head's table counts (the head reads all of it). The KV
+    cache and activations are not included."""
+    sizes: dict[int, int] = {}
+    read: set[int] = set()
+    for mod, key, n in _weight_tensors(model):
+        sizes[key] = n
+        if not isinstance(mod, LOOKUPS):
+            read.add(key)
+    return sum(sizes[k] for k in read)

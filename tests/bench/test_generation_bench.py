@@ -9,10 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from llmkit import cli
+from llmkit import cli, hardware
 from llmkit.bench import generation
-from llmkit.bench.generation import bench_generate
+from llmkit.bench.generation import bandwidth_limit, bench_generate
 from llmkit.data.tokenizer import train_char
+from llmkit.inference.quantize import decode_read_bytes, dynamic_available, quantize_model
 from llmkit.model import build_model
 from llmkit.runs import TOKENIZER_FILE, save_spec
 from llmkit.runs.checkpoints import WEIGHTS, save_weights
@@ -64,6 +65,47 @@ def test_cli_bench_generate_json(run_dir, capsys):
     assert cli.main([*argv, "--new-tokens", "3", "--repeats", "1", "--quantize", "int8"]) == 0
     assert "decode tok/s" in capsys.readouterr().out
     assert cli.main(["bench", "generate", str(run_dir), "--batch-sizes", "x"]) == 2
+
+
+def test_the_bandwidth_bound_is_bytes_per_step_over_bandwidth():
+    assert bandwidth_limit(125_000_000, 20e9) == pytest.approx(160.0)
+    with pytest.raises(ValueError):
+        bandwidth_limit(0, 20e9)
+    model = quantize_model(build_model(load_spec_dict(tiny_spec(max_seq_len=64))), "int8")
+    read = decode_read_bytes(model)
+    rows = bench_generate(
+        model, batch_sizes=(1, 3), prompt_len=4, new_tokens=5, repeats=1, bandwidth=1e9
+    )
+    for r in rows:
+        assert r.read_bytes_per_step == read and r.read_bandwidth == 1e9
+        assert r.limit_tokens_per_s == pytest.approx(1e9 / read)
+        per_seq = r.decode_tokens_per_s / r.batch_size
+        assert r.fraction_of_limit == pytest.approx(per_seq / r.limit_tokens_per_s)
+
+
+def test_read_bandwidth_is_measured():
+    bw = hardware.measure_read_bandwidth(nbytes=8 * 2**20, repeats=2)
+    assert 1e8 < bw < 1e13  # bytes/s: between 0.1 GB/s and 10 TB/s
+    llc = hardware.last_level_cache_bytes()
+    assert llc is None or llc > 0
+
+
+def test_cli_prints_the_bandwidth_limit(run_dir, capsys, monkeypatch):
+    monkeypatch.setattr(generation, "measure_read_bandwidth", lambda device: 2e9)
+    argv = ["bench", "generate", str(run_dir), "--batch-sizes", "1", "--prompt-len", "4"]
+    assert cli.main([*argv, "--new-tokens", "3", "--repeats", "1", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)["results"][0]
+    read = result["read_bytes_per_step"]
+    assert read > 0 and result["read_bandwidth"] == 2e9
+    assert result["limit_tokens_per_s"] == pytest.approx(2e9 / read)
+    assert cli.main([*argv, "--new-tokens", "3", "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "read bandwidth 2.0 GB/s" in out and "of limit" in out
+    assert f"limit {2e9 / read:,.1f} tok/s per sequence" in out
+    monkeypatch.setattr(hardware, "cpu_has_fast_bf16", lambda: False)
+    assert cli.main([*argv, "--new-tokens", "3", "--repeats", "1", "--quantize", "auto"]) == 0
+    backend = "dynamic" if dynamic_available() else "weight_only"
+    assert f"int8 ({backend})" in capsys.readouterr().out
 
 
 def test_the_benchmark_uses_only_public_names_of_other_modules():

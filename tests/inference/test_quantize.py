@@ -1,4 +1,5 @@
-"""Int8 weight quantization: what is quantized, what is kept, tied heads, size and accuracy."""
+"""Int8 and bf16 weights: what is converted, what is kept, tied heads, sizes, bytes read per
+decoding step, the ``auto`` choice and accuracy."""
 
 from __future__ import annotations
 
@@ -6,12 +7,25 @@ import json
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from llmkit import cli
+from llmkit import cli, hardware
 from llmkit.data.tokenizer import train_char
 from llmkit.inference import Generator, Sampling, generate_batch
-from llmkit.inference.quantize import Int8Linear, dynamic_available, quantize_model, weight_bytes
+from llmkit.inference.quantize import (
+    PACKED_BYTES_PER_CHANNEL,
+    BF16Linear,
+    DynamicInt8Linear,
+    Int8Embedding,
+    Int8Linear,
+    LowPrecisionEmbedding,
+    choose_method,
+    decode_read_bytes,
+    dynamic_available,
+    quantize_model,
+    weight_bytes,
+)
 from llmkit.model import build_model
 from llmkit.runs import TOKENIZER_FILE, save_spec
 from llmkit.runs.checkpoints import WEIGHTS, save_weights
@@ -19,12 +33,20 @@ from llmkit.spec import load_spec_dict
 from tests.helpers import tiny_spec
 
 BACKENDS = ["weight_only"] + (["dynamic"] if dynamic_available() else [])
+needs_fbgemm = pytest.mark.skipif(not dynamic_available(), reason="no fbgemm int8 linear")
+HEAD_TYPES = {"weight_only": Int8Linear, "dynamic": DynamicInt8Linear, "bf16": BF16Linear}
 
 
 def _model(**model):
     torch.manual_seed(0)
-    spec = tiny_spec(d_model=64, vocab_size=128, position={"name": "rope"}, **model)
+    spec = tiny_spec(d_model=64, vocab_size=128, **{"position": {"name": "rope"}, **model})
     return build_model(load_spec_dict(spec)).eval()
+
+
+def _convert(model, backend, **kw):
+    if backend == "bf16":
+        return quantize_model(model, "bf16", **kw)
+    return quantize_model(model, backend=backend, **kw)
 
 
 def test_int8_linear_is_per_channel_symmetric():
@@ -38,50 +60,123 @@ def test_int8_linear_is_per_channel_symmetric():
     err = (q.dequantized() - lin.weight).abs()
     assert bool((err <= q.scale[:, None] / 2 + 1e-7).all())  # round-to-nearest, per row
     x = torch.randn(3, 5, 16)
-    exact = torch.nn.functional.linear(x, q.dequantized(), lin.bias)
+    exact = F.linear(x, q.dequantized(), lin.bias)
     torch.testing.assert_close(q(x), exact, atol=1e-5, rtol=1e-5)
     assert float(q.scale[1:].max()) < float(q.scale[0]) / 20  # small rows keep small steps
     assert q.weight_nbytes() == 16 * 8 + 8 * 4
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_quantized_model_keeps_embeddings_and_a_tied_head(backend):
+@needs_fbgemm
+def test_dynamic_linear_packs_the_same_int8_values_and_quantizes_activations():
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 48)
+    ref, dyn = Int8Linear.from_float(lin), DynamicInt8Linear.from_float(lin)
+    w, scale = dyn.int8_weight()
+    assert torch.equal(w, ref.weight) and torch.allclose(scale, ref.scale)
+    x = torch.randn(2, 3, 64)
+    with torch.no_grad():
+        exact = F.linear(x, ref.dequantized(), lin.bias)
+        got = dyn(x)
+    assert got.shape == exact.shape and got.dtype == torch.float32
+    # activations are quantized per tensor to 7 bits: close, not equal
+    assert 0 < float((got - exact).abs().max()) < 0.02 * float(exact.abs().max())
+    assert dyn.weight_nbytes() == 48 * (64 + PACKED_BYTES_PER_CHANNEL) + 48 * 4
+
+
+def test_bf16_linear_multiplies_in_bf16_and_returns_the_input_dtype():
+    torch.manual_seed(0)
+    lin = nn.Linear(32, 16)
+    b = BF16Linear.from_float(lin)
+    assert b.weight.dtype == torch.bfloat16 and b.bias is not None
+    x = torch.randn(4, 32)
+    want = F.linear(x.bfloat16(), lin.weight.bfloat16()).float() + lin.bias
+    torch.testing.assert_close(b(x), want)
+    assert b(x).dtype == torch.float32
+
+
+@pytest.mark.parametrize("backend", [*BACKENDS, "bf16"])
+def test_a_tied_head_is_converted_and_the_embedding_looks_up_its_table(backend):
     model = _model()
-    q = quantize_model(model, backend=backend)
+    q = _convert(model, backend)
     assert q is not model and type(model.layers[0].attn.qkv) is nn.Linear  # a copy
     assert q.quantization.backend == backend
-    linears = [m for m in q.modules() if type(m) is nn.Linear]
-    assert linears == [q.lm_head]  # every block linear is quantized; the tied head is not
-    assert q.lm_head.weight is q.tok_emb.weight and q.tok_emb.weight.dtype == torch.float32
-    assert q.quantization.linears == 4 * len(model.layers)
+    assert not [m for m in q.modules() if type(m) is nn.Linear]  # the head too
+    assert type(q.lm_head) is HEAD_TYPES[backend]
+    assert q.quantization.linears == 4 * len(model.layers) + 1
+    assert not [p for p in q.parameters() if p.shape == (128, 64)]  # no fp32 table left
     idx = torch.randint(0, 128, (2, 16))
+    emb = q.tok_emb(idx)
+    assert emb.dtype == torch.float32
+    if backend == "bf16":
+        assert isinstance(q.tok_emb, LowPrecisionEmbedding) and q.tok_emb.weight is q.lm_head.weight
+        torch.testing.assert_close(emb, model.tok_emb.weight.bfloat16().float()[idx])
+    else:
+        assert isinstance(q.tok_emb, Int8Embedding)
+        w, scale = q.lm_head.int8_weight()
+        torch.testing.assert_close(emb, (w.float() * scale[:, None])[idx])  # the head's table
+        if backend == "weight_only":
+            assert q.tok_emb.weight is q.lm_head.weight  # shared, not copied
     with torch.no_grad():
         ref, got = model(idx).logits, q(idx).logits
     assert (got - ref).abs().max() < 0.05 * ref.abs().max()
-    fp32, int8 = weight_bytes(model), weight_bytes(q)
-    lins = [m for m in model.modules() if type(m) is nn.Linear and m is not model.lm_head]
-    block = sum(m.weight.numel() for m in lins)
+    fp32, small = weight_bytes(model), weight_bytes(q)
+    lins = [m for m in model.modules() if type(m) is nn.Linear]
+    table = model.tok_emb.weight.numel()
+    weights = sum(m.weight.numel() for m in lins if m is not model.lm_head) + table
     channels = sum(m.out_features for m in lins)
-    # 4 bytes → 1 per weight, plus per-channel scales (and zero points, for dynamic)
-    assert 3 * block - 16 * channels <= fp32 - int8 <= 3 * block - 4 * channels
+    if backend == "bf16":
+        assert fp32 - small == 2 * weights
+    elif backend == "weight_only":  # 4 bytes → 1 per weight, plus one fp32 scale a row
+        assert fp32 - small == 3 * weights - 4 * channels
+    else:  # fbgemm's per-channel data; the embedding's int8 copy of the table and scales
+        extra = PACKED_BYTES_PER_CHANNEL * channels + table + 4 * 128
+        assert fp32 - small == 3 * weights - extra
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_untied_head_is_quantized_and_head_flag_overrides(backend):
+def test_untied_head_is_quantized_and_head_false_keeps_it(backend):
     model = _model(tie_embeddings=False)
     q = quantize_model(model, backend=backend)
     assert not any(type(m) is nn.Linear for m in q.modules())
-    assert q.tok_emb.weight.dtype == torch.float32
+    assert type(q.tok_emb) is nn.Embedding and q.tok_emb.weight.dtype == torch.float32
     kept = quantize_model(model, backend=backend, head=False)
     assert type(kept.lm_head) is nn.Linear
-    tied = quantize_model(_model(), backend=backend, head=True)
-    assert type(tied.lm_head) is not nn.Linear and tied.tok_emb.weight.dtype == torch.float32
+    tied = quantize_model(_model(), backend=backend, head=False)
+    assert type(tied.lm_head) is nn.Linear and tied.lm_head.weight is tied.tok_emb.weight
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_quantized_model_generates_with_the_kv_cache(backend):
+def test_decode_read_bytes_leaves_out_lookups_only():
+    model = _model(position={"name": "learned"})
+    params = {id(p): p for p in model.parameters()}
+    wpe = model.position.wpe.weight
+    # the tied table is read whole by the fp32 head; the position table is looked up
+    assert decode_read_bytes(model) == weight_bytes(model) - 4 * wpe.numel()
+    q = quantize_model(model, backend="weight_only")
+    lins = [m for m in q.modules() if isinstance(m, Int8Linear)]
+    int8 = sum(m.weight_nbytes() for m in lins)
+    rest = sum(
+        4 * p.numel()
+        for p in params.values()
+        if p.dim() == 1 and p is not wpe  # norms and biases
+    )
+    assert decode_read_bytes(q) == int8 + rest
+    assert weight_bytes(q) == int8 + rest + 4 * wpe.numel()  # the int8 table is shared
+
+
+def test_auto_picks_bf16_only_where_it_is_fast(monkeypatch):
     model = _model()
-    q = quantize_model(model, backend=backend)
+    monkeypatch.setattr(hardware, "cpu_has_fast_bf16", lambda: False)
+    assert choose_method("cpu") == "int8"
+    assert quantize_model(model, "auto").quantization.method == "int8"
+    monkeypatch.setattr(hardware, "cpu_has_fast_bf16", lambda: True)
+    assert choose_method("cpu") == "bf16"
+    q = quantize_model(model, "auto")
+    assert q.quantization.method == "bf16" and isinstance(q.lm_head, BF16Linear)
+
+
+@pytest.mark.parametrize("backend", [*BACKENDS, "bf16"])
+def test_converted_model_generates_with_the_kv_cache(backend):
+    q = _convert(_model(), backend)
     prompts = [[1, 2, 3, 4], [5]]
     cfg = Sampling(max_new_tokens=10, temperature=0)
     got = generate_batch(q, prompts, cfg)
@@ -120,4 +215,6 @@ def test_cli_eval_reports_both_sizes_and_perplexities(tmp_path, capsys):
     report = json.loads(captured.out)
     assert report["int8"]["weight_bytes"] < report["weight_bytes"]
     assert abs(report["int8"]["loss"] - report["loss"]) < 0.05
-    assert Generator(str(tmp_path), quantize="int8").generate("he", max_new_tokens=3)[0].ids
+    for quantize in ("int8", "auto"):
+        gen = Generator(str(tmp_path), quantize=quantize)
+        assert gen.generate("he", max_new_tokens=3)[0].ids
