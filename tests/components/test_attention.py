@@ -11,7 +11,6 @@ from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from llmkit.components.attention import sliding_window
 from llmkit.components.attention.dense import DenseAttention
 from llmkit.components.attention.sdpa import SDPAttention
 from llmkit.components.attention.sliding_window import (
@@ -21,6 +20,7 @@ from llmkit.components.attention.sliding_window import (
 )
 from llmkit.components.position.alibi import alibi_slopes
 from llmkit.contracts import AttentionKernel, BuildContext, ComponentOptions, DistanceBias
+from llmkit.kernels import block_local
 from llmkit.ops import reference_attention, sdpa_attention
 
 ATOL = 1e-5
@@ -298,7 +298,7 @@ def test_sliding_window_gradients(
     """dq, dk, dv of the custom backward against float64 autograd: causal windows (1, longer
     than the sequence), GQA, ALiBi, left padding with empty rows, Tq < Tk and Tq = 1, chunks
     run one per step and several per step."""
-    monkeypatch.setattr(sliding_window, "STEP_SCORES", step_scores)
+    monkeypatch.setattr(block_local, "STEP_SCORES", step_scores)
     hq = 2 * groups
     q, k, v = make_qkv(2, hq, 2, tq, tk, seed=tq * tk + window)
     slopes = torch.tensor(alibi_slopes(hq)) if with_bias else None
