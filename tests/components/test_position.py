@@ -100,6 +100,22 @@ def test_rope_batched_positions():
         torch.testing.assert_close(kr[b : b + 1], kb)
 
 
+def test_rope_cos_sin_computed_once_per_positions_tensor():
+    r = rope()
+    positions = torch.arange(6)
+    first = r.cos_sin(positions)
+    again = r.cos_sin(positions)
+    assert again[0] is first[0] and again[1] is first[1]  # the layers of one forward share it
+    positions.add_(3)  # changed in place: recomputed
+    moved = r.cos_sin(positions)
+    fresh = rope().cos_sin(torch.arange(3, 9))
+    torch.testing.assert_close(moved[0], fresh[0])
+    torch.testing.assert_close(moved[1], fresh[1])
+    with torch.inference_mode():  # no version counter: computed every time
+        p = torch.arange(4)
+        assert r.cos_sin(p)[0] is not r.cos_sin(p)[0]
+
+
 def test_rope_partial_rotary_leaves_tail():
     torch.manual_seed(0)
     r = rope(head_dim=16, rotary_fraction=0.25)

@@ -93,9 +93,23 @@ class RotaryPosition(PositionalScheme):
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
         self.register_buffer("cos_cached", angles.cos().float(), persistent=False)
         self.register_buffer("sin_cached", angles.sin().float(), persistent=False)
+        self._last: tuple[Tensor, int, Tensor, Tensor] | None = None
 
     def cos_sin(self, positions: Tensor) -> tuple[Tensor, Tensor]:
-        """fp32 cos and sin, (..., rot_dim/2), for integer positions (...)."""
+        """fp32 cos and sin, (..., rot_dim/2), for integer positions (...). Every layer of
+        a forward asks for the same positions tensor: the last answer is kept for it (its
+        identity and version), so they are computed once a forward, not once a layer
+        (inference tensors, which have no version counter, and compiled code skip this)."""
+        if positions.is_inference() or torch.compiler.is_compiling():
+            return self._cos_sin(positions)
+        last = self._last
+        if last is not None and last[0] is positions and last[1] == positions._version:
+            return last[2], last[3]
+        cos, sin = self._cos_sin(positions)
+        self._last = (positions, positions._version, cos, sin)
+        return cos, sin
+
+    def _cos_sin(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         n = self.cos_cached.shape[0]
         idx = positions.clamp(0, n - 1)
         cos, sin = self.cos_cached[idx], self.sin_cached[idx]
