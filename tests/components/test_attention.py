@@ -260,9 +260,15 @@ def test_sliding_window_gradients_match_reference():
         torch.testing.assert_close(g.double(), w, atol=1e-5, rtol=0)
 
 
-def _grads_vs_reference(q, k, v, window, *, slopes=None, pad=None, chunk=None, seed=0):
-    """Output and dq, dk, dv of the block-local path against the float64 reference."""
-    grad_out = torch.randn(q.shape, generator=torch.Generator().manual_seed(seed))
+def _grads_vs_reference(
+    q, k, v, window, *, slopes=None, pad=None, chunk=None, seed=0, grad=None, atol=2e-5
+):
+    """Output and dq, dk, dv of the block-local path against float64 autograd through the
+    naive reference (the output gradient ``grad``, else random from ``seed``); returns the
+    output and the gradients."""
+    out_shape = (*q.shape[:-1], v.shape[-1])
+    gen = torch.Generator().manual_seed(seed)
+    grad_out = torch.randn(out_shape, generator=gen) if grad is None else grad
     ins = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
     bias = None if slopes is None else DistanceBias(slopes)
     out = sliding_window_attention(*ins, window, bias=bias, key_padding_mask=pad, chunk=chunk)
@@ -273,7 +279,8 @@ def _grads_vs_reference(q, k, v, window, *, slopes=None, pad=None, chunk=None, s
     for name, got, want in zip(("out", "dq", "dk", "dv"), (out, *grads), (ref, *ref_grads)):
         assert got.shape == want.shape and got.dtype == q.dtype, name
         assert torch.isfinite(got).all(), name
-        torch.testing.assert_close(got.double(), want, atol=2e-5, rtol=0, msg=name)
+        torch.testing.assert_close(got.double(), want, atol=atol, rtol=0, msg=name)
+    return out, grads
 
 
 @pytest.mark.parametrize("step_scores", [1, 1 << 19], ids=["one-chunk-steps", "multi-chunk"])

@@ -15,9 +15,14 @@ import torch
 from llmkit.bench.kernels.timing import cpu_peak_allocated
 from llmkit.components.attention.sliding_window import sliding_window_attention
 from llmkit.components.position.alibi import alibi_slopes
-from llmkit.contracts import DistanceBias
 from llmkit.kernels import block_local, worker_threads
-from tests.components.test_attention import _largest, left_padding, make_qkv, naive
+from tests.components.test_attention import (
+    _grads_vs_reference,
+    _largest,
+    left_padding,
+    make_qkv,
+    naive,
+)
 
 
 @pytest.fixture
@@ -29,23 +34,9 @@ def two_threads():
     torch.set_num_threads(before)
 
 
-def _check(q, k, v, window, *, slopes=None, pad=None, chunk=None, grad=None, atol=2e-5):
+def _check(q, k, v, window, **kwargs):
     """Output and dq, dk, dv against float64 autograd through the naive reference."""
-    ins = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
-    bias = None if slopes is None else DistanceBias(slopes)
-    out = sliding_window_attention(*ins, window, bias=bias, key_padding_mask=pad, chunk=chunk)
-    grad = (
-        torch.randn(out.shape, generator=torch.Generator().manual_seed(7)) if grad is None else grad
-    )
-    grads = torch.autograd.grad(out, ins, grad)
-    ref_ins = [t.detach().double().requires_grad_(True) for t in (q, k, v)]
-    ref = naive(*ref_ins, slopes=slopes, pad=pad, window=window)
-    ref_grads = torch.autograd.grad(ref, ref_ins, grad.double())
-    for name, got, want in zip(("out", "dq", "dk", "dv"), (out, *grads), (ref, *ref_grads)):
-        assert got.shape == want.shape and got.dtype == q.dtype, name
-        assert torch.isfinite(got).all(), name
-        torch.testing.assert_close(got.double(), want, atol=atol, rtol=0, msg=name)
-    return out, grads
+    return _grads_vs_reference(q, k, v, window, seed=7, **kwargs)
 
 
 CASES = [  # b, hq, hkv, tq, tk, window, chunk

@@ -135,6 +135,17 @@ def test_build_problems_finds_what_only_building_would():
     assert "rotary dimensions must be a positive even number" in problem
 
 
+def test_build_problems_leaves_what_meta_cannot_run_to_the_real_build(monkeypatch):
+    import llmkit.model.transformer as transformer
+
+    def meta_lacks_an_op(_rs):
+        raise NotImplementedError("aten::some_op has no meta kernel")
+
+    monkeypatch.setattr(transformer, "build_model", meta_lacks_an_op)
+    spec = load_spec_dict(tiny_spec(position={"name": "rope"}))
+    assert transformer.build_problems(spec) == []  # not a problem of the spec
+
+
 def test_train_refuses_an_unbuildable_model_before_reading_data(tmp_path, capsys):
     from llmkit.cli import main
     from tests.helpers import write_train_spec
