@@ -84,6 +84,9 @@ class BuildContext:
     dropout: float = 0.0
     bias: bool = True
     dim: int = 0  # the feature size this component acts on (0 = d_model)
+    qkv_bias: bool | None = None  # the attention's q/k/v projection bias (None: ``bias``)
+    out_bias: bool | None = None  # the attention's output projection bias (None: ``bias``)
+    attn_scale: float | None = None  # softmax scale of the scores (None: 1/√head_dim)
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property

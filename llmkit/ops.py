@@ -105,6 +105,7 @@ def reference_attention(
     key_padding_mask: Tensor | None = None,
     window: int | None = None,
     dropout_p: float = 0.0,
+    softcap: float | None = None,
 ) -> Tensor:
     """The attention kernel contract in plain PyTorch; scores, softmax and the sum in fp32.
 
@@ -114,6 +115,8 @@ def reference_attention(
     ``bias.dense(Tq, Tk)``; ``key_padding_mask`` (B, Tk) is True where a key may be attended;
     ``window`` W (causal only) keeps keys at positions p − W + 1 … p. A query left with no
     key returns zeros. ``dropout_p`` drops attention probabilities (callers pass 0 in eval).
+    ``softcap`` c maps the scaled scores to c·tanh(s/c) before the bias and the masks
+    (Gemma 2's attention logit soft-capping).
     """
     groups = check_shapes(q, k, v)
     b, hq, tq, d = q.shape
@@ -121,6 +124,8 @@ def reference_attention(
     qf = q.float().reshape(b, hkv, groups * tq, d)
     scores = torch.matmul(qf, k.float().transpose(-1, -2)) * (1.0 / math.sqrt(d))
     scores = scores.view(b, hkv, groups, tq, tk)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     if bias is not None:
         scores = scores + bias.dense(tq, tk, causal=causal).to(scores.device).view(
             hkv, groups, tq, tk

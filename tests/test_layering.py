@@ -24,7 +24,16 @@ LAYERS: list[tuple[str, ...]] = [
     ("components", "kernels"),
     ("spec", "model"),
     ("data", "runs"),
-    ("training", "inference", "evaluation", "experiments", "bench", "testing", "scaffold"),
+    (
+        "training",
+        "inference",
+        "evaluation",
+        "experiments",
+        "bench",
+        "testing",
+        "scaffold",
+        "interop",
+    ),
     ("cli",),
 ]
 LAYER = {name: i for i, names in enumerate(LAYERS) for name in names}

@@ -4,6 +4,8 @@ the call of the attention *kernel* (a registered component computing softmax(QK�
 
 from __future__ import annotations
 
+import math
+
 from torch import Tensor, nn
 
 from llmkit.contracts import AttentionInputs, AttentionKernel, BuildContext
@@ -12,11 +14,13 @@ __all__ = ["Attention"]
 
 
 class Attention(nn.Module):
-    """Fused QKV projection, output projection ``out_proj`` and the kernel.
+    """Fused QKV projection (rows: q heads, then k heads, then v heads), output projection
+    ``out_proj`` and the kernel; their biases follow ``ctx.qkv_bias`` / ``ctx.out_bias``.
 
     Per call: project, apply the optional ``qk_transform`` to q and k (QK-norm), then the
-    positional scheme's q/k rotation, store k and v in the cache, and run the kernel with the
-    scheme's score bias. Keys are cached after the transform and the rotation, so decoding
+    positional scheme's q/k rotation, scale q when the softmax scale is not 1/√D
+    (``ctx.attn_scale``), store k and v in the cache, and run the kernel with the scheme's
+    score bias. Keys are cached after the transform and the rotation, so decoding
     never recomputes them.
     """
 
@@ -26,10 +30,15 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = ctx.n_heads, ctx.n_kv_heads, ctx.head_dim
         qkv_out = (ctx.n_heads + 2 * ctx.n_kv_heads) * ctx.head_dim
-        self.qkv = nn.Linear(ctx.d_model, qkv_out, bias=ctx.bias)
-        self.out_proj = nn.Linear(ctx.n_heads * ctx.head_dim, ctx.d_model, bias=ctx.bias)
+        qkv_bias = ctx.bias if ctx.qkv_bias is None else ctx.qkv_bias
+        out_bias = ctx.bias if ctx.out_bias is None else ctx.out_bias
+        self.qkv = nn.Linear(ctx.d_model, qkv_out, bias=qkv_bias)
+        self.out_proj = nn.Linear(ctx.n_heads * ctx.head_dim, ctx.d_model, bias=out_bias)
         self.kernel = kernel
         self.qk_transform = qk_transform
+        # Kernels scale scores by 1/√D; another softmax scale s multiplies q by s·√D first.
+        scale = ctx.attn_scale
+        self.q_multiplier = None if scale is None else scale * math.sqrt(ctx.head_dim)
 
     def forward(self, x: Tensor, inputs: AttentionInputs) -> Tensor:
         """``x`` (B, T, C) → (B, T, C)."""
@@ -43,6 +52,8 @@ class Attention(nn.Module):
             q, k = self.qk_transform(q, k)
         position = inputs.position
         q, k = position.rotate(q, k, inputs.positions)
+        if self.q_multiplier is not None:
+            q = q * self.q_multiplier
         mask = inputs.key_padding_mask
         if inputs.cache is not None:
             k, v, mask = inputs.cache.update(k, v, mask)

@@ -98,6 +98,9 @@ class Transformer(nn.Module):
             n_layers=m.n_layers,
             dropout=m.dropout,
             bias=m.bias,
+            qkv_bias=m.qkv_bias,
+            out_bias=m.attn_out_bias,
+            attn_scale=m.attn_scale,
         )
         self.tok_emb = nn.Embedding(m.vocab_size, m.d_model)
         self.position = build(rs.position, ctx)
@@ -116,7 +119,10 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(block for block, _ in built)
         self._attention = [attention for _, attention in built]  # not registered twice
         self.norm_f = build(rs.norm, ctx) if m.final_norm else nn.Identity()
-        self.lm_head = nn.Linear(m.d_model, m.vocab_size, bias=False)
+        self.lm_head = nn.Linear(m.d_model, m.vocab_size, bias=m.head_bias)
+        scale = m.embedding_scale
+        self.embedding_scale = math.sqrt(m.d_model) if scale == "sqrt_d_model" else float(scale)
+        self.logit_softcap = m.logit_softcap
         if m.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
         self.reset_parameters()
@@ -196,6 +202,8 @@ class Transformer(nn.Module):
             real = T if key_padding_mask is None else key_padding_mask.sum(1)
             cache.seen = cache.seen + real
         x = self.tok_emb(idx)  # (B, T, C)
+        if self.embedding_scale != 1.0:  # Gemma: √d_model, rounded to the activations' dtype
+            x = x * torch.tensor(self.embedding_scale, dtype=x.dtype)
         x = self.position.embed(x, positions)
         if self.training and self.drop.p > 0:
             x = self.drop(x)
@@ -214,6 +222,9 @@ class Transformer(nn.Module):
             x = x[:, -1:, :]  # norms act per token, so slicing first is exact
         x = self.norm_f(x)
         logits = self.lm_head(x)
+        if self.logit_softcap is not None:  # Gemma 2: c·tanh(logits/c)
+            c = self.logit_softcap
+            logits = torch.tanh(logits / c) * c
         loss = None
         if targets is not None:
             loss = F.cross_entropy(

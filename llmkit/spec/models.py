@@ -99,6 +99,31 @@ class ModelSpec(Strict):
         "pre", description="Shorthand for model.block = pre_norm / post_norm."
     )
     final_norm: bool = Field(True, description="A norm before the output head.")
+    qkv_bias: bool | None = Field(
+        None,
+        description="Biases on the attention's q/k/v projection; unset follows bias "
+        "(Qwen2: true while the output projection has none).",
+    )
+    attn_out_bias: bool | None = Field(
+        None, description="A bias on the attention's output projection; unset follows bias."
+    )
+    attn_scale: float | None = Field(
+        None,
+        gt=0,
+        description="Softmax scale of the attention scores; unset 1/sqrt(head_dim) "
+        "(Gemma 2: query_pre_attn_scalar^-0.5).",
+    )
+    embedding_scale: float | Literal["sqrt_d_model"] = Field(
+        1.0,
+        description="Multiply token embeddings by this before the first block; sqrt_d_model "
+        "is Gemma's √d_model.",
+    )
+    head_bias: bool = Field(False, description="A bias on the output head (Phi).")
+    logit_softcap: float | None = Field(
+        None,
+        gt=0,
+        description="Soft-cap the output logits to (−c, c) as c·tanh(logits/c) (Gemma 2).",
+    )
     init_std: float = Field(0.02, gt=0, description="Std of the normal weight init.")
     scaled_residual_init: bool = Field(
         True, description="Scale residual output projections by 1/sqrt(2·n_layers) (GPT-2)."

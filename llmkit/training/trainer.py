@@ -126,7 +126,14 @@ class Trainer:
                 self._adopt_tokenizer(adopt)
             data = prepare_data(self.rs, self.run_dir, log=self.log)
         self.data, self.tokenizer = data, data.tokenizer
-        if self.tokenizer.vocab_size != self.rs.model.vocab_size:
+        # A run started from weights keeps their padded embedding (an imported checkpoint's
+        # vocabulary is often rounded up past its tokenizer's).
+        padded = (
+            init is not None
+            and not t.init_resize_vocab
+            and self.tokenizer.vocab_size < self.rs.model.vocab_size
+        )
+        if self.tokenizer.vocab_size != self.rs.model.vocab_size and not padded:
             self.log(
                 f"vocab_size {self.rs.model.vocab_size} -> {self.tokenizer.vocab_size} "
                 "(the tokenizer's)"

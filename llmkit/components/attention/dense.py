@@ -2,7 +2,8 @@
 
 The reference kernel (scaled dot-product attention, Vaswani et al. 2017, "Attention Is All You
 Need"), with grouped-query attention (Ainslie et al. 2023, "GQA") and bottom-right causal
-alignment for KV-cache decoding: the component form of :func:`llmkit.ops.reference_attention`,
+alignment for KV-cache decoding, an optional causal window and score soft-capping (Gemma 2
+Team 2024): the component form of :func:`llmkit.ops.reference_attention`,
 which every other kernel is tested against.
 """
 
@@ -21,6 +22,18 @@ class DenseAttentionOptions(ComponentOptions):
     dropout: float = Field(
         0.0, ge=0.0, lt=1.0, description="Dropout on attention probabilities (training only)."
     )
+    window: int | None = Field(
+        None,
+        ge=1,
+        description="Causal sliding window: keys each query attends, counting itself "
+        "(positions p−W+1 … p); unset attends every earlier key.",
+    )
+    softcap: float | None = Field(
+        None,
+        gt=0.0,
+        description="Soft-cap the scaled scores to (−c, c) as c·tanh(s/c) before masking "
+        "(Gemma 2's attention logit soft-capping).",
+    )
 
 
 class DenseAttention(AttentionKernel):
@@ -31,6 +44,9 @@ class DenseAttention(AttentionKernel):
     def __init__(self, options: DenseAttentionOptions, ctx: BuildContext) -> None:
         super().__init__(options, ctx)
         self.dropout = options.dropout
+        self.window = options.window
+        self.softcap = options.softcap
+        self.cache_window = options.window
 
     def forward(
         self,
@@ -50,4 +66,6 @@ class DenseAttention(AttentionKernel):
             bias=bias,
             key_padding_mask=key_padding_mask,
             dropout_p=self.dropout if self.training else 0.0,
+            window=self.window,
+            softcap=self.softcap,
         )

@@ -1,24 +1,40 @@
 """Sandwich norms (Ding et al. 2021, CogView; Gemma 2): each sublayer is normalized on the way
-in and on the way out, inside the residual: x + post(attn(pre(x))), then the same for ffn."""
+in and on the way out, inside the residual: x + post(attn(pre(x))), then the same for ffn.
+
+Without the input norms (``input_norms = false``) only the sublayer's output is normalized,
+x + norm(attn(x)) (OLMo 2, OLMo et al. 2024: "norms after the sublayer")."""
 
 from __future__ import annotations
 
-from torch import Tensor
+from pydantic import Field
+from torch import Tensor, nn
 
-from llmkit.contracts import AttentionInputs, Block, BlockParts, BuildContext, NoOptions
+from llmkit.contracts import AttentionInputs, Block, BlockParts, BuildContext, ComponentOptions
+
+
+class SandwichOptions(ComponentOptions):
+    """Options of the sandwich block."""
+
+    input_norms: bool = Field(
+        True,
+        description="Normalize each sublayer's input as well as its output (Gemma 2); false "
+        "normalizes the output only (OLMo 2).",
+    )
 
 
 class SandwichBlock(Block):
-    """``h = x + attn_post_norm(attn(norm1(x)))``; ``out = h + ffn_post_norm(ffn(norm2(h)))``."""
+    """``h = x + attn_post_norm(attn(norm1(x)))``; ``out = h + ffn_post_norm(ffn(norm2(h)))``;
+    ``norm1`` and ``norm2`` are identities without input norms."""
 
-    Options = NoOptions
+    Options = SandwichOptions
 
-    def __init__(self, options: NoOptions, ctx: BuildContext, parts: BlockParts) -> None:
+    def __init__(self, options: SandwichOptions, ctx: BuildContext, parts: BlockParts) -> None:
         super().__init__(options, ctx, parts)
-        self.norm1 = parts.norm()
+        inputs = options.input_norms
+        self.norm1 = parts.norm() if inputs else nn.Identity()
         self.attn = parts.attention
         self.attn_post_norm = parts.norm()
-        self.norm2 = parts.norm()
+        self.norm2 = parts.norm() if inputs else nn.Identity()
         self.ffn = parts.ffn
         self.ffn_post_norm = parts.norm()
 

@@ -7,7 +7,27 @@ the auxiliary loss ``E·Σ f_i·P_i`` (GShard, Lepikhin et al. 2020); top-1 rout
 factor and router jitter (Switch Transformer, Fedus et al. 2021); the router z-loss
 (ST-MoE, Zoph et al. 2022); always-applied shared experts (DeepSeekMoE, Dai et al. 2024);
 top-2 of 8 SwiGLU experts with top-k-then-softmax weights and no token dropping (Mixtral,
-Jiang et al. 2024).
+Jiang et al. 2024); a shared expert scaled by a learned per-token sigmoid gate (Qwen1.5-MoE,
+Qwen Team 2024; Qwen2-MoE, Yang et al. 2024); sigmoid routing scores with a per-expert
+correction bias that steers the choice but not the weights (auxiliary-loss-free load
+balancing), node/group-limited routing and a routed scaling factor (DeepSeek-V3, Liu et al.
+2024).
+
+**Routing** (``route``; the router's logits ``l`` are float32):
+
+- ``topk_softmax``: the k largest logits, softmaxed among themselves (Mixtral; sum to 1).
+- ``softmax_topk``: ``p = softmax(l)`` over all E experts, the k largest ``p_i``; divided by
+  their sum when ``renormalize`` (Qwen2-MoE/Qwen3-MoE ``norm_topk_prob``), else left as they
+  are (Switch, GShard-style, DeepSeekMoE; the default).
+- ``sigmoid_topk`` (DeepSeek-V3): scores ``s = sigmoid(l)``; the choice ranks
+  ``s + b`` with ``b`` the buffer ``router.score_correction_bias`` (E,) (zeros unless
+  imported or set; it gets no gradient). With ``n_group`` > 1 the experts are split into
+  ``n_group`` contiguous groups, each scored by the sum of its two largest ``s + b`` (its
+  largest when a group holds one expert), and only the experts of the ``topk_group``
+  best groups compete for the k places. The weights are the uncorrected ``s_i`` of the
+  chosen experts, divided by their sum (+1e-20) when ``renormalize`` (the default here).
+
+Every routing finally multiplies the weights by ``routed_scaling_factor`` (1 by default).
 
 **Dispatch.** The router runs in float32. Every (token, choice) assignment is listed
 choice-major (all first choices, then all second choices, ...), stably sorted by expert id,
@@ -30,13 +50,16 @@ them with the module path, e.g. ``layers.1.ffn.load_balance``):
 
 - losses: ``load_balance`` = load_balance_coef · E · Σ_i f_i · P_i with f_i the fraction of
   assignments routed to expert i (before dropping; Σ f_i = 1, so a perfectly balanced
-  router scores 1 for any top_k) and P_i the mean router probability of expert i;
-  ``z_loss`` = z_loss_coef · mean over tokens of logsumexp(logits)². A loss whose
-  coefficient is 0 is not reported.
+  router scores 1 for any top_k) and P_i the mean router probability of expert i: the
+  softmax of the logits, or with ``sigmoid_topk`` the normalized scores s_i / Σ_j s_j
+  (without the correction bias; DeepSeek-V3's sequence-wise balance loss uses the same
+  normalization, here averaged over all tokens of the call); ``z_loss`` = z_loss_coef ·
+  mean over tokens of logsumexp(logits)² (the raw logits, whatever the routing). A loss
+  whose coefficient is 0 is not reported.
 - metrics (detached tensors, no host sync): ``expert_load_max``, ``expert_load_min`` (the
   largest and smallest f_i; 1/E when balanced), ``expert_load_cv`` (std/mean of f_i; 0 when
   balanced), ``dropped_fraction`` (assignments dropped by capacity), ``router_entropy``
-  (mean entropy of the router distribution, nats; ln E when uniform). With
+  (mean entropy of the router distribution P above, nats; ln E when uniform). With
   ``load_metrics = "per_expert"`` also ``expert_load.<i>`` for every expert.
 """
 
@@ -89,12 +112,40 @@ class MoEOptions(ComponentOptions):
 
     num_experts: int = Field(8, ge=1, description="Routed experts E.")
     top_k: int = Field(2, ge=1, description="Experts each token is sent to (k ≤ E).")
-    routing: Literal["topk_softmax", "softmax_topk"] = Field(
+    routing: Literal["topk_softmax", "softmax_topk", "sigmoid_topk"] = Field(
         "topk_softmax",
         description="topk_softmax: softmax over the k largest logits, weights sum to 1 "
         "(Mixtral); softmax_topk: the k largest probabilities of a softmax over all experts, "
-        "not renormalized (Switch, GShard-style, DeepSeekMoE). Use softmax_topk with top_k = 1, "
-        "or the router gets no gradient from the LM loss.",
+        "renormalized only with renormalize (Switch, GShard-style, DeepSeekMoE; Qwen-MoE); "
+        "sigmoid_topk: sigmoid scores, the k largest of score + router.score_correction_bias "
+        "(optionally group-limited) weighted by their uncorrected scores (DeepSeek-V3). "
+        "With top_k = 1 use softmax_topk or sigmoid_topk without renormalize, or the router "
+        "gets no gradient from the LM loss.",
+    )
+    renormalize: bool | None = Field(
+        None,
+        description="Divide the k chosen weights by their sum (HF norm_topk_prob). Unset: "
+        "false for softmax_topk, true for sigmoid_topk; topk_softmax sums to 1 by "
+        "construction and takes no value.",
+    )
+    routed_scaling_factor: float = Field(
+        1.0,
+        gt=0.0,
+        description="Multiply the routing weights by this, after any renormalization "
+        "(DeepSeek-V2/V3 routed_scaling_factor, e.g. 2.5).",
+    )
+    n_group: int = Field(
+        1,
+        ge=1,
+        description="sigmoid_topk: split the experts into this many contiguous groups (must "
+        "divide num_experts) for group-limited routing (DeepSeek-V3 n_group); 1 = no groups.",
+    )
+    topk_group: int | None = Field(
+        None,
+        ge=1,
+        description="sigmoid_topk: only the experts of this many best groups (group score: "
+        "sum of its top-2 corrected scores) may be chosen (DeepSeek-V3 topk_group); "
+        "unset = n_group, no limit.",
     )
     expert: ExpertOptions = Field(
         default_factory=SwiGLUExpert,
@@ -110,6 +161,12 @@ class MoEOptions(ComponentOptions):
     )
     shared_hidden: int | None = Field(
         None, ge=1, description="Total hidden size of the shared block; default shared_experts·h."
+    )
+    shared_expert_gate: bool = Field(
+        False,
+        description="Scale the shared block's output per token by sigmoid(shared_gate(x)), "
+        "shared_gate a bias-free d→1 projection (Qwen1.5-MoE/Qwen2-MoE shared_expert_gate); "
+        "needs shared_experts ≥ 1.",
     )
     capacity_factor: float | None = Field(
         None,
@@ -159,7 +216,48 @@ class MoEOptions(ComponentOptions):
             )
         if self.shared_hidden is not None and self.shared_experts == 0:
             raise ValueError("shared_hidden is set but shared_experts is 0")
+        if self.shared_expert_gate and self.shared_experts == 0:
+            raise ValueError("shared_expert_gate is set but shared_experts is 0")
         return self
+
+    @model_validator(mode="after")
+    def _routing_options(self) -> MoEOptions:
+        if self.routing == "topk_softmax" and self.renormalize is not None:
+            raise ValueError(
+                "renormalize has no effect with routing = 'topk_softmax' (its weights sum to 1 "
+                "by construction); use softmax_topk with renormalize"
+            )
+        if self.routing != "sigmoid_topk":
+            if self.n_group != 1 or self.topk_group is not None:
+                raise ValueError(
+                    "n_group and topk_group (group-limited routing) need routing = 'sigmoid_topk'"
+                )
+            return self
+        if self.num_experts % self.n_group:
+            raise ValueError(
+                f"n_group ({self.n_group}) must divide num_experts ({self.num_experts})"
+            )
+        groups = self.n_group if self.topk_group is None else self.topk_group
+        if groups > self.n_group:
+            raise ValueError(
+                f"topk_group ({self.topk_group}) must not exceed n_group ({self.n_group})"
+            )
+        allowed = groups * (self.num_experts // self.n_group)
+        if self.top_k > allowed:
+            raise ValueError(
+                f"top_k ({self.top_k}) exceeds the {allowed} experts of the topk_group "
+                f"({groups}) groups a token may use"
+            )
+        return self
+
+    @property
+    def renormalized(self) -> bool:
+        """Whether the chosen weights are divided by their sum (``renormalize`` resolved)."""
+        if self.routing == "topk_softmax":
+            return True
+        if self.renormalize is None:
+            return self.routing == "sigmoid_topk"
+        return self.renormalize
 
 
 # -- module -----------------------------------------------------------------------------------
@@ -169,12 +267,21 @@ class Router(nn.Module):
     """The gate: float32 logits ``x Wᵀ + b`` (E outputs), whatever the model's dtype or
     autocast. Deliberately not an ``nn.Linear``, so whole-model passes over linear layers
     (int8 quantization, say) leave routing decisions alone; ``weight``/``bias`` keep the
-    names and layout of one."""
+    names and layout of one. With ``correction_bias`` it also holds the persistent buffer
+    ``score_correction_bias`` (E,), zeros, which ``sigmoid_topk`` adds to the scores when
+    choosing experts (DeepSeek-V3's ``e_score_correction_bias``; a buffer, so the optimizer
+    never touches it). The shared expert's gate is one of these with a single output."""
 
-    def __init__(self, d: int, num_experts: int, bias: bool) -> None:
+    score_correction_bias: Tensor | None
+
+    def __init__(self, d: int, num_experts: int, bias: bool, correction_bias: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_experts, d))
         self.bias = nn.Parameter(torch.zeros(num_experts)) if bias else None
+        if correction_bias:
+            self.register_buffer("score_correction_bias", torch.zeros(num_experts))
+        else:
+            self.score_correction_bias = None
 
     def forward(self, x: Tensor) -> Tensor:
         bias = None if self.bias is None else self.bias.float()
@@ -182,7 +289,8 @@ class Router(nn.Module):
             return F.linear(x.float(), self.weight.float(), bias)
 
     def extra_repr(self) -> str:
-        return f"{self.weight.shape[1]} -> {self.weight.shape[0]} experts, float32"
+        extra = ", score_correction_bias" if self.score_correction_bias is not None else ""
+        return f"{self.weight.shape[1]} -> {self.weight.shape[0]}, float32{extra}"
 
 
 class MoE(SideOutputs, nn.Module):
@@ -193,7 +301,9 @@ class MoE(SideOutputs, nn.Module):
     mlp experts and 2h for gated ones (rows [0, h) gate, [h, 2h) up); ``w_out`` (E, C, h);
     with biases, ``b_in`` (E·H_in,) and ``b_out`` (E·C,), flattened so that optimizers treat
     them as biases (1-D: no weight decay, never a Muon matrix). ``shared`` is an ordinary
-    ffn block.
+    ffn block; with ``shared_expert_gate``, ``shared_gate.weight`` (1, C) (a one-output
+    :class:`Router`: float32, bias-free). With ``sigmoid_topk`` the buffer
+    ``router.score_correction_bias`` (E,) float32, zeros.
     """
 
     Options = MoEOptions
@@ -215,15 +325,20 @@ class MoE(SideOutputs, nn.Module):
             self.act = functools.partial(F.gelu, approximate=e.approximate)
         bias = ctx.bias if e.bias is None else e.bias
         E, h_in = options.num_experts, self.hidden * (2 if self.gated else 1)
-        self.router = Router(d, E, options.router_bias)
+        self.router = Router(
+            d, E, options.router_bias, correction_bias=options.routing == "sigmoid_topk"
+        )
         self.w_in = nn.Parameter(torch.empty(E, h_in, d))
         self.w_out = nn.Parameter(torch.empty(E, d, self.hidden))
         self.b_in = nn.Parameter(torch.zeros(E * h_in)) if bias else None
         self.b_out = nn.Parameter(torch.zeros(E * d)) if bias else None
         self.shared: nn.Module | None = None
+        self.shared_gate: Router | None = None
         if options.shared_experts:
             width = options.shared_hidden or options.shared_experts * self.hidden
             self.shared = EXPERT_BLOCKS[e.name](e.model_copy(update={"hidden": width}), ctx)
+            if options.shared_expert_gate:
+                self.shared_gate = Router(d, 1, bias=False)
         self.init_weights(0.02)
 
     # -- init and accounting ------------------------------------------------------------------
@@ -243,14 +358,16 @@ class MoE(SideOutputs, nn.Module):
                     nn.init.normal_(p, 0.0, std)
 
     def active_parameters(self) -> int:
-        """Parameters used per token: the router, top_k routed experts, the shared block."""
+        """Parameters used per token: the router, top_k routed experts, the shared block
+        and its gate."""
         E = self.num_experts
         routed = sum(
             p.numel() for p in (self.w_in, self.w_out, self.b_in, self.b_out) if p is not None
         )
         other = sum(p.numel() for p in self.router.parameters())
-        if self.shared is not None:
-            other += sum(p.numel() for p in self.shared.parameters())
+        for block in (self.shared, self.shared_gate):
+            if block is not None:
+                other += sum(p.numel() for p in block.parameters())
         return other + routed // E * self.top_k
 
     def extra_repr(self) -> str:
@@ -259,7 +376,20 @@ class MoE(SideOutputs, nn.Module):
             f"experts={o.num_experts}, top_k={o.top_k}, expert={o.expert.name}, "
             f"hidden={self.hidden}, routing={o.routing}, shared={o.shared_experts}, "
             f"capacity_factor={o.capacity_factor}"
-        )
+        ) + self._routing_repr()
+
+    def _routing_repr(self) -> str:
+        o = self.options
+        parts = []
+        if o.routing != "topk_softmax":
+            parts.append(f"renormalize={o.renormalized}")
+        if o.routed_scaling_factor != 1.0:
+            parts.append(f"routed_scaling_factor={o.routed_scaling_factor}")
+        if o.n_group > 1:
+            parts.append(f"n_group={o.n_group}, topk_group={o.topk_group or o.n_group}")
+        if self.shared_gate is not None:
+            parts.append("shared_expert_gate=True")
+        return "".join(f", {p}" for p in parts)
 
     # -- forward ------------------------------------------------------------------------------
     def capacity(self, n_tokens: int) -> int | None:
@@ -282,9 +412,37 @@ class MoE(SideOutputs, nn.Module):
         if o.routing == "topk_softmax":
             top, experts = logits.topk(self.top_k, dim=-1)
             weights = top.softmax(dim=-1)
-        else:
+        elif o.routing == "softmax_topk":
             weights, experts = logits.softmax(dim=-1).topk(self.top_k, dim=-1)
+            if o.renormalized:
+                weights = weights / weights.sum(dim=-1, keepdim=True)
+        else:
+            experts, weights = self._sigmoid_topk(logits)
+        if o.routed_scaling_factor != 1.0:
+            weights = weights * o.routed_scaling_factor
         return logits, experts, weights
+
+    def _sigmoid_topk(self, logits: Tensor) -> tuple[Tensor, Tensor]:
+        """DeepSeek-V3's choice: expert ids (N, k) and their (renormalized) sigmoid scores
+        (see the module doc; transformers' ``DeepseekV3TopkRouter``)."""
+        o = self.options
+        scores = logits.sigmoid()
+        bias = self.router.score_correction_bias
+        assert bias is not None
+        choice = scores.detach() + bias.float()
+        groups, kept = o.n_group, o.topk_group or o.n_group
+        if kept < groups:
+            per = self.num_experts // groups
+            grouped = choice.view(-1, groups, per)
+            group_scores = grouped.topk(min(2, per), dim=-1).values.sum(dim=-1)  # (N, G)
+            best = group_scores.topk(kept, dim=-1, sorted=False).indices
+            allowed = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
+            choice = grouped.masked_fill(~allowed.unsqueeze(-1), float("-inf")).flatten(1)
+        experts = choice.topk(self.top_k, dim=-1).indices
+        weights = scores.gather(-1, experts)
+        if o.renormalized:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return experts, weights
 
     def expert_weights(self) -> list[tuple[Tensor, Tensor | None, Tensor, Tensor | None]]:
         """``(w_in, b_in, w_out, b_out)`` of every expert, as views. ``unbind`` makes the
@@ -340,14 +498,20 @@ class MoE(SideOutputs, nn.Module):
         out = ys.new_zeros(k * N, shape[-1]).index_copy(0, order, ys)
         out = out.view(k, N, -1).sum(0)
         if self.shared is not None:
-            out = out + self.shared(flat)
+            shared = self.shared(flat)
+            if self.shared_gate is not None:
+                shared = self.shared_gate(flat).sigmoid().to(shared.dtype) * shared
+            out = out + shared
         self._report(logits, counts, kept, N)
         return out.view(*shape[:-1], out.shape[-1])
 
     def _report(self, logits: Tensor, counts: Tensor, kept: Tensor, N: int) -> None:
         o = self.options
         E, k = self.num_experts, self.top_k
-        logp = logits.log_softmax(dim=-1)
+        # P: the softmax of the logits, or the normalized sigmoid scores s_i / Σ_j s_j
+        # (log_softmax of logsigmoid, computed stably).
+        scores = F.logsigmoid(logits) if o.routing == "sigmoid_topk" else logits
+        logp = scores.log_softmax(dim=-1)
         probs = logp.exp()
         load = counts.float() / max(N * k, 1)  # f_i, Σ = 1
         if o.load_balance_coef > 0:

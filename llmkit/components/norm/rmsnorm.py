@@ -17,12 +17,18 @@ class RMSNormOptions(ComponentOptions):
     eps: float = Field(
         1e-6, gt=0.0, description="Added to the mean square for numerical stability."
     )
+    offset: float = Field(
+        0.0,
+        description="The gain is offset + weight, weight starting at 1 − offset; Gemma's "
+        "(1 + w) is offset 1 (weights then stored as w, starting at 0).",
+    )
 
 
 class RMSNorm(nn.Module):
-    """``x / sqrt(mean(x²) + eps) · weight`` over the last dimension (Zhang & Sennrich 2019).
+    """``x / sqrt(mean(x²) + eps) · (offset + weight)`` over the last dimension (Zhang &
+    Sennrich 2019).
 
-    Computed in fp32 and cast back to the input dtype, as in LLaMA; weight starts at 1.
+    Computed in fp32 and cast back to the input dtype, as in LLaMA; the gain starts at 1.
     """
 
     Options = RMSNormOptions
@@ -32,11 +38,16 @@ class RMSNorm(nn.Module):
         self.options = options
         self.features = ctx.features
         self.eps = options.eps
-        self.weight = nn.Parameter(torch.ones(self.features))
+        self.offset = options.offset
+        self.weight = nn.Parameter(torch.full((self.features,), 1.0 - self.offset))
 
     def forward(self, x: Tensor) -> Tensor:
-        y = F.rms_norm(x.float(), (self.features,), self.weight.float(), self.eps)
+        gain = self.weight.float()
+        if self.offset:
+            gain = gain + self.offset
+        y = F.rms_norm(x.float(), (self.features,), gain, self.eps)
         return y.to(x.dtype)
 
     def extra_repr(self) -> str:
-        return f"{self.features}, eps={self.eps}"
+        offset = f", offset={self.offset:g}" if self.offset else ""
+        return f"{self.features}, eps={self.eps}{offset}"

@@ -20,16 +20,17 @@ NAME = "norm.rmsnorm_triton"
 
 
 class RMSNormTriton(RMSNorm):
-    """``x / sqrt(mean(x²) + eps) · weight`` by a fused Triton kernel (Zhang & Sennrich 2019);
-    fp32 math, output in the input dtype."""
+    """``x / sqrt(mean(x²) + eps) · (offset + weight)`` by a fused Triton kernel (Zhang &
+    Sennrich 2019); fp32 math, output in the input dtype."""
 
     def forward(self, x: Tensor) -> Tensor:
         if runtime.use_triton(x, self.weight):
             # Imported lazily: only calls that run the kernel load it.
             from llmkit.kernels import rmsnorm as kernel
 
-            if kernel.supported(x, self.weight):
-                return kernel.rms_norm_triton(x, self.weight, self.eps)
+            gain = self.weight + self.offset if self.offset else self.weight
+            if kernel.supported(x, gain):
+                return kernel.rms_norm_triton(x, gain, self.eps)
         else:
             runtime.announce_reference(NAME)
         return super().forward(x)

@@ -1,29 +1,61 @@
 """Rotary position embedding (Su et al. 2021, "RoFormer") applied to queries and keys.
 
-Pairing: rotate-half, as in GPT-NeoX and Hugging Face LLaMA — feature ``i`` of the rotated
-block pairs with feature ``i + rot_dim/2`` (not with its neighbour ``i+1`` as in the
-RoFormer paper's interleaved layout); both give the same relative-position property, but
-weights converted from one layout need their q/k projections permuted for the other.
+Pairing: ``half`` (default) is rotate-half, as in GPT-NeoX and Hugging Face LLaMA — feature
+``i`` of the rotated block pairs with feature ``i + rot_dim/2``; ``interleaved`` pairs
+neighbours ``(2i, 2i+1)``, as in the RoFormer paper, GPT-J and Meta's original Llama
+checkpoints. Pair ``i`` turns at frequency ``i`` in both; both have the relative-position
+property, and weights move from one layout to the other by permuting the q/k projection rows
+within each head (interleaved feature ``2i + j`` is rotate-half feature ``i + j·rot_dim/2``,
+the permutation of transformers' convert_llama_weights_to_hf).
 
 Partial rotary (GPT-NeoX, Black et al. 2022): only the first ``rot_dim = int(head_dim ·
-rotary_fraction)`` features rotate; the rest pass through untouched.
+rotary_fraction)`` features rotate; the rest pass through untouched (and unscaled).
 
-Context extension: ``linear`` is position interpolation (Chen et al. 2023: positions are
-divided by ``scaling_factor``); ``ntk`` is NTK-aware scaling (the "NTK-aware scaled RoPE"
-community post, as described in Peng et al. 2023, "YaRN"): the base becomes
-``theta · factor^(rot_dim / (rot_dim − 2))``, stretching low frequencies while keeping the
-highest one.
+Context extension (``scaling``; frequencies in :mod:`.rope_scaling`, formula for formula as
+transformers' ``modeling_rope_utils``):
+
+- ``linear``: position interpolation (Chen et al. 2023): positions divided by
+  ``scaling_factor``.
+- ``ntk``: NTK-aware scaling (the "NTK-aware scaled RoPE" community post, as described in
+  Peng et al. 2023, "YaRN"): the base becomes ``theta · factor^(rot_dim / (rot_dim − 2))``.
+- ``dynamic``: dynamic NTK (the community method as implemented in transformers): the ntk base
+  computed from the current length ``L``, ``theta · (factor·L/original_max_seq_len −
+  (factor − 1))^(rot_dim/(rot_dim − 2))``, once ``L`` exceeds ``original_max_seq_len``.
+- ``llama3``: Meta's Llama 3.1 frequency-dependent scaling: wavelengths longer than
+  ``original_max_seq_len/low_freq_factor`` are divided by ``scaling_factor``, shorter than
+  ``original_max_seq_len/high_freq_factor`` kept, smoothly interpolated between.
+- ``yarn``: YaRN (Peng et al. 2023): NTK-by-parts interpolation between ``beta_fast`` and
+  ``beta_slow`` rotations, cos and sin multiplied by an attention factor (``0.1·ln(factor) +
+  1``, DeepSeek's mscale ratio, or ``attention_factor``).
+- ``longrope``: LongRoPE (Ding et al. 2024; Phi-3): per-frequency divisors ``short_factor`` or
+  ``long_factor``, cos and sin multiplied by ``sqrt(1 + ln(factor)/ln(original_max_seq_len))``
+  or ``attention_factor``.
+
+Stateful cases. ``dynamic`` and ``longrope`` depend on the sequence length, which llmkit takes
+per call as ``L = max(positions) + 1`` (over the whole batch): with a KV cache, the largest
+position in the call, +1. ``longrope`` uses ``long_factor`` for every position of a call with
+``L > original_max_seq_len``, else ``short_factor`` — as transformers does.
+``dynamic`` uses the base for ``L`` for every position of a call with ``L >
+original_max_seq_len``, else ``theta``, computing that call's cos/sin in fp32. transformers
+instead keeps the base of the longest call seen (``max_seq_len_cached``) until a call with
+``L < original_max_seq_len`` resets it, so the two agree while lengths only grow (prefill,
+then decoding) or drop below the original context, and differ for a call with
+``original_max_seq_len ≤ L <`` an earlier call's length. Keys already in a KV cache keep the
+rotation of the call that made them, in both.
 """
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal
+from typing import Annotated, ClassVar, Literal
 
 import torch
 from pydantic import Field, model_validator
 from torch import Tensor
 
+from llmkit.components.position.rope_scaling import check_scaling, dynamic_inv_freq, frequencies
 from llmkit.contracts import BuildContext, ComponentOptions, PositionalScheme
+
+_Positive = Annotated[float, Field(gt=0.0)]
 
 
 class RotaryOptions(ComponentOptions):
@@ -39,29 +71,100 @@ class RotaryOptions(ComponentOptions):
         description="Fraction of each head's dimensions that rotate (GPT-NeoX partial rotary); "
         "int(head_dim·fraction) must be even.",
     )
-    scaling: Literal["none", "linear", "ntk"] = Field(
+    pairing: Literal["half", "interleaved"] = Field(
+        "half",
+        description="Which features rotate together: half (feature i with i + rot_dim/2; "
+        "GPT-NeoX, Hugging Face Llama) or interleaved (2i with 2i+1; RoFormer, GPT-J, Meta's "
+        "Llama checkpoints).",
+    )
+    scaling: Literal["none", "linear", "ntk", "dynamic", "llama3", "yarn", "longrope"] = Field(
         "none",
-        description="Context extension: none, linear (position interpolation, Chen et al. 2023) "
-        "or ntk (NTK-aware base scaling).",
+        description="Context extension: none, linear (position interpolation, Chen et al. "
+        "2023), ntk (NTK-aware base), dynamic (NTK base from the call's length max(positions)+1 "
+        "once beyond original_max_seq_len), llama3 (Llama 3.1), yarn (Peng et al. 2023) or "
+        "longrope (Ding et al. 2024).",
     )
     scaling_factor: float = Field(
-        1.0, ge=1.0, description="Context extension factor for linear / ntk scaling."
+        1.0,
+        ge=1.0,
+        description="Context extension factor (Hugging Face's factor): linear, ntk, dynamic, "
+        "llama3, yarn; for longrope only the default attention factor derives from it.",
+    )
+    original_max_seq_len: int | None = Field(
+        None,
+        ge=1,
+        description="Pre-training context length (Hugging Face's original_max_position_"
+        "embeddings; for dynamic its max_position_embeddings). Required by dynamic, llama3, "
+        "yarn and longrope: longrope switches to long_factor and dynamic rescales its base for "
+        "a call whose max(positions)+1 exceeds it.",
+    )
+    low_freq_factor: float = Field(
+        1.0,
+        gt=0.0,
+        description="llama3: wavelengths above original_max_seq_len/low_freq_factor are "
+        "divided by scaling_factor.",
+    )
+    high_freq_factor: float = Field(
+        4.0,
+        gt=0.0,
+        description="llama3: wavelengths below original_max_seq_len/high_freq_factor are kept; "
+        "must exceed low_freq_factor.",
+    )
+    beta_fast: float = Field(
+        32.0,
+        gt=0.0,
+        description="yarn: dimensions rotating more than beta_fast times over "
+        "original_max_seq_len keep their frequency.",
+    )
+    beta_slow: float = Field(
+        1.0,
+        gt=0.0,
+        description="yarn: dimensions rotating fewer than beta_slow times over "
+        "original_max_seq_len are interpolated (frequency / scaling_factor).",
+    )
+    truncate: bool = Field(
+        True, description="yarn: round the correction range outward to whole dimensions."
+    )
+    mscale: float | None = Field(
+        None,
+        gt=0.0,
+        description="yarn (DeepSeek): with mscale_all_dim, attention factor "
+        "(0.1·mscale·ln s + 1)/(0.1·mscale_all_dim·ln s + 1) instead of 0.1·ln s + 1.",
+    )
+    mscale_all_dim: float | None = Field(
+        None, gt=0.0, description="yarn (DeepSeek): the denominator's mscale; see mscale."
+    )
+    attention_factor: float | None = Field(
+        None,
+        gt=0.0,
+        description="yarn, longrope: factor cos and sin are multiplied by, overriding the "
+        "one derived from scaling_factor.",
+    )
+    short_factor: tuple[_Positive, ...] | None = Field(
+        None,
+        min_length=1,
+        description="longrope: rot_dim/2 frequency divisors for calls whose max(positions)+1 "
+        "is at most original_max_seq_len.",
+    )
+    long_factor: tuple[_Positive, ...] | None = Field(
+        None,
+        min_length=1,
+        description="longrope: rot_dim/2 frequency divisors for calls whose max(positions)+1 "
+        "exceeds original_max_seq_len.",
     )
 
     @model_validator(mode="after")
     def _factor_needs_scaling(self) -> RotaryOptions:
-        if self.scaling == "none" and self.scaling_factor != 1.0:
-            raise ValueError(
-                f"scaling_factor={self.scaling_factor} has no effect with scaling='none'; "
-                "choose scaling='linear' or 'ntk'"
-            )
+        check_scaling(self)
         return self
 
 
 class RotaryPosition(PositionalScheme):
-    """Rotary embedding on q/k (Su et al. 2021), rotate-half pairing, partial rotary and
-    linear/NTK scaling. cos/sin are cached (fp64-built) for positions below max_seq_len and
-    computed on the fly beyond; q and k keep their dtype.
+    """Rotary embedding on q/k (Su et al. 2021), rotate-half or interleaved pairing, partial
+    rotary, and linear/NTK/dynamic NTK/Llama 3.1/YaRN/LongRoPE scaling. cos/sin (times the
+    attention factor) are cached (fp64-built) for positions below max_seq_len and computed on
+    the fly beyond, and per call for dynamic NTK beyond original_max_seq_len; q and k keep
+    their dtype.
     """
 
     Options = RotaryOptions
@@ -76,30 +179,34 @@ class RotaryPosition(PositionalScheme):
                 f"rotary dimensions must be a positive even number: head_dim {head_dim} × "
                 f"rotary_fraction {options.rotary_fraction} gives rot_dim {rot_dim}"
             )
-        base = options.theta
-        if options.scaling == "ntk":
-            if rot_dim <= 2:
-                raise ValueError(f"ntk scaling needs rot_dim > 2, got rot_dim {rot_dim}")
-            base = options.theta * options.scaling_factor ** (rot_dim / (rot_dim - 2))
+        freqs = frequencies(options, rot_dim)
         self.head_dim = head_dim
         self.rot_dim = rot_dim
-        self.base = base
+        self.base = freqs.base
         self.position_scale = 1.0 / options.scaling_factor if options.scaling == "linear" else 1.0
-
-        inv_freq = base ** (-torch.arange(0, rot_dim, 2, dtype=torch.float64) / rot_dim)
-        angles = torch.arange(ctx.max_seq_len, dtype=torch.float64)[:, None] * (
-            self.position_scale * inv_freq
-        )
-        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
-        self.register_buffer("cos_cached", angles.cos().float(), persistent=False)
-        self.register_buffer("sin_cached", angles.sin().float(), persistent=False)
+        self.attention_factor = freqs.attention_factor
+        self.interleaved = options.pairing == "interleaved"
+        self.scaling = options.scaling
+        self.original_max_seq_len = options.original_max_seq_len
+        self._dynamic_ntk = (options.theta, options.scaling_factor)
+        self._register_tables("", freqs.inv_freq, ctx.max_seq_len)
+        if freqs.long_inv_freq is not None:
+            self._register_tables("long_", freqs.long_inv_freq, ctx.max_seq_len)
         self._last: tuple[Tensor, int, Tensor, Tensor] | None = None
 
+    def _register_tables(self, prefix: str, inv_freq: Tensor, n: int) -> None:
+        angles = torch.arange(n, dtype=torch.float64)[:, None] * inv_freq
+        a = self.attention_factor
+        self.register_buffer(f"{prefix}inv_freq", inv_freq.float(), persistent=False)
+        self.register_buffer(f"{prefix}cos_cached", (angles.cos() * a).float(), persistent=False)
+        self.register_buffer(f"{prefix}sin_cached", (angles.sin() * a).float(), persistent=False)
+
     def cos_sin(self, positions: Tensor) -> tuple[Tensor, Tensor]:
-        """fp32 cos and sin, (..., rot_dim/2), for integer positions (...). Every layer of
-        a forward asks for the same positions tensor: the last answer is kept for it (its
-        identity and version), so they are computed once a forward, not once a layer
-        (inference tensors, which have no version counter, and compiled code skip this)."""
+        """fp32 cos and sin (times the attention factor), (..., rot_dim/2), for integer
+        positions (...). Every layer of a forward asks for the same positions tensor: the last
+        answer is kept for it (its identity and version), so they are computed once a forward,
+        not once a layer (inference tensors, which have no version counter, and compiled code
+        skip this)."""
         if positions.is_inference() or torch.compiler.is_compiling():
             return self._cos_sin(positions)
         last = self._last
@@ -110,19 +217,48 @@ class RotaryPosition(PositionalScheme):
         return cos, sin
 
     def _cos_sin(self, positions: Tensor) -> tuple[Tensor, Tensor]:
-        n = self.cos_cached.shape[0]
-        idx = positions.clamp(0, n - 1)
-        cos, sin = self.cos_cached[idx], self.sin_cached[idx]
-        # Positions past the cache (found without a host sync): computed on the fly in fp32.
-        angles = positions.to(torch.float32)[..., None] * (self.position_scale * self.inv_freq)
-        inside = ((positions >= 0) & (positions < n))[..., None]
-        return torch.where(inside, cos, angles.cos()), torch.where(inside, sin, angles.sin())
+        cos, sin = self._lookup(positions, self.inv_freq, self.cos_cached, self.sin_cached)
+        if self.scaling not in ("dynamic", "longrope") or positions.numel() == 0:
+            return cos, sin
+        # The call's length, without a host sync: one table or the other for all positions.
+        assert self.original_max_seq_len is not None
+        seq_len = positions.max() + 1
+        if self.scaling == "longrope":
+            lcos, lsin = self._lookup(
+                positions, self.long_inv_freq, self.long_cos_cached, self.long_sin_cached
+            )
+        else:
+            theta, factor = self._dynamic_ntk
+            inv = dynamic_inv_freq(seq_len, theta, factor, self.original_max_seq_len, self.rot_dim)
+            angles = positions.to(torch.float32)[..., None] * inv
+            lcos, lsin = angles.cos(), angles.sin()
+        long = seq_len > self.original_max_seq_len
+        return torch.where(long, lcos, cos), torch.where(long, lsin, sin)
 
-    def _rotate_half_pairs(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    def _lookup(
+        self, positions: Tensor, inv_freq: Tensor, cos_cached: Tensor, sin_cached: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        n = cos_cached.shape[0]
+        idx = positions.clamp(0, n - 1)
+        cos, sin = cos_cached[idx], sin_cached[idx]
+        # Positions past the cache (found without a host sync): computed on the fly in fp32.
+        angles = positions.to(torch.float32)[..., None] * inv_freq
+        a = self.attention_factor
+        inside = ((positions >= 0) & (positions < n))[..., None]
+        return torch.where(inside, cos, angles.cos() * a), torch.where(
+            inside, sin, angles.sin() * a
+        )
+
+    def _rotate_pairs(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         r, h = self.rot_dim, self.rot_dim // 2
         xf = x[..., :r].float()
-        x1, x2 = xf[..., :h], xf[..., h:]
-        rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+        if self.interleaved:
+            x1, x2 = xf[..., 0::2], xf[..., 1::2]
+            rotated = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+            rotated = rotated.flatten(-2).to(x.dtype)
+        else:
+            x1, x2 = xf[..., :h], xf[..., h:]
+            rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
         if r == x.shape[-1]:
             return rotated
         return torch.cat((rotated, x[..., r:]), dim=-1)
@@ -136,7 +272,11 @@ class RotaryPosition(PositionalScheme):
         cos, sin = self.cos_sin(positions)
         if positions.dim() == 2:  # (B, T, r/2) → (B, 1, T, r/2) to broadcast over heads
             cos, sin = cos[:, None], sin[:, None]
-        return self._rotate_half_pairs(q, cos, sin), self._rotate_half_pairs(k, cos, sin)
+        return self._rotate_pairs(q, cos, sin), self._rotate_pairs(k, cos, sin)
 
     def extra_repr(self) -> str:
-        return f"rot_dim={self.rot_dim}, base={self.base:g}, position_scale={self.position_scale:g}"
+        return (
+            f"rot_dim={self.rot_dim}, interleaved={self.interleaved}, scaling={self.scaling}, "
+            f"base={self.base:g}, position_scale={self.position_scale:g}, "
+            f"attention_factor={self.attention_factor:g}"
+        )

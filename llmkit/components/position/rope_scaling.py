@@ -1,0 +1,363 @@
+"""Rotary frequencies of the context-extension methods, their option checks, and the mapping
+to and from Hugging Face transformers' ``rope_parameters``.
+
+Each frequency function follows the matching one of transformers'
+``modeling_rope_utils`` (``_compute_linear_scaling_rope_parameters``,
+``_compute_dynamic_ntk_parameters``, ``_compute_llama3_parameters``,
+``_compute_yarn_parameters``, ``_compute_longrope_parameters``) formula for formula, in
+float64 where transformers works in float32 (the results agree to float32 rounding). The one
+exception is dynamic NTK's per-call frequencies, which depend on a tensor (the largest
+position in the call) and are computed in float32 on its device, as transformers does.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+if TYPE_CHECKING:
+    from llmkit.components.position.rope import RotaryOptions
+
+#: The scaling options each scaling type reads; any other one set away from its default is
+#: rejected (it would have no effect).
+USES: dict[str, frozenset[str]] = {
+    "none": frozenset(),
+    "linear": frozenset({"scaling_factor"}),
+    "ntk": frozenset({"scaling_factor"}),
+    "dynamic": frozenset({"scaling_factor", "original_max_seq_len"}),
+    "llama3": frozenset(
+        {"scaling_factor", "original_max_seq_len", "low_freq_factor", "high_freq_factor"}
+    ),
+    "yarn": frozenset(
+        {
+            "scaling_factor",
+            "original_max_seq_len",
+            "beta_fast",
+            "beta_slow",
+            "truncate",
+            "mscale",
+            "mscale_all_dim",
+            "attention_factor",
+        }
+    ),
+    "longrope": frozenset(
+        {
+            "scaling_factor",
+            "original_max_seq_len",
+            "attention_factor",
+            "short_factor",
+            "long_factor",
+        }
+    ),
+}
+SCALING_OPTIONS = frozenset().union(*USES.values())
+
+
+def check_scaling(o: RotaryOptions) -> None:
+    """Raise a one-line ValueError for a combination of scaling options that is incomplete,
+    inconsistent, or sets an option the chosen scaling ignores."""
+    fields = type(o).model_fields
+    for name in sorted(SCALING_OPTIONS - USES[o.scaling]):
+        value = getattr(o, name)
+        if value != fields[name].default:
+            users = ", ".join(repr(s) for s, used in USES.items() if name in used)
+            raise ValueError(
+                f"{name}={value!r} has no effect with scaling={o.scaling!r}; "
+                f"it applies to scaling {users}"
+            )
+    if "original_max_seq_len" in USES[o.scaling] and o.original_max_seq_len is None:
+        raise ValueError(
+            f"scaling={o.scaling!r} needs original_max_seq_len (the pre-training context "
+            "length, Hugging Face's original_max_position_embeddings)"
+        )
+    if o.scaling == "llama3" and o.high_freq_factor <= o.low_freq_factor:
+        raise ValueError(
+            f"high_freq_factor ({o.high_freq_factor}) must exceed low_freq_factor "
+            f"({o.low_freq_factor})"
+        )
+    if o.scaling == "yarn":
+        if o.beta_fast < o.beta_slow:
+            raise ValueError(f"beta_fast ({o.beta_fast}) must be ≥ beta_slow ({o.beta_slow})")
+        if (o.mscale is None) != (o.mscale_all_dim is None):
+            raise ValueError(
+                "mscale and mscale_all_dim go together: yarn uses them for its attention "
+                "factor only when both are set"
+            )
+        if o.mscale is not None and o.attention_factor is not None:
+            raise ValueError(
+                "mscale and mscale_all_dim have no effect when attention_factor is set; "
+                "drop one or the other"
+            )
+    if o.scaling == "longrope":
+        if o.short_factor is None or o.long_factor is None:
+            raise ValueError(
+                "scaling='longrope' needs short_factor and long_factor (rot_dim/2 numbers each)"
+            )
+        if len(o.short_factor) != len(o.long_factor):
+            raise ValueError(
+                f"short_factor has {len(o.short_factor)} numbers but long_factor has "
+                f"{len(o.long_factor)}; each needs rot_dim/2"
+            )
+        if o.attention_factor is not None and o.scaling_factor != 1.0:
+            raise ValueError(
+                f"scaling_factor={o.scaling_factor} has no effect with scaling='longrope' and "
+                "attention_factor set: longrope uses it only to derive the attention factor"
+            )
+
+
+# -- frequencies ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Frequencies:
+    """What the rotary module builds from: float64 inverse frequencies, (rot_dim/2,), with the
+    scaling applied (for longrope: the short ones; for dynamic: the unscaled ones, used up to
+    ``original_max_seq_len``), the factor cos and sin are multiplied by, the base theta the
+    frequencies come from, and longrope's long inverse frequencies."""
+
+    inv_freq: Tensor
+    attention_factor: float = 1.0
+    base: float = 10000.0
+    long_inv_freq: Tensor | None = None
+
+
+def default_inv_freq(base: float, rot_dim: int) -> Tensor:
+    """``base^(−2i/rot_dim)``, i < rot_dim/2, in float64."""
+    return 1.0 / base ** (torch.arange(0, rot_dim, 2, dtype=torch.float64) / rot_dim)
+
+
+def llama3_inv_freq(
+    inv_freq: Tensor, factor: float, low_freq_factor: float, high_freq_factor: float, old_len: int
+) -> Tensor:
+    """Llama 3.1: wavelengths above ``old_len/low_freq_factor`` are divided by ``factor``,
+    those below ``old_len/high_freq_factor`` kept, those between interpolated smoothly."""
+    low_wavelen, high_wavelen = old_len / low_freq_factor, old_len / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def yarn_inv_freq(
+    base: float,
+    rot_dim: int,
+    factor: float,
+    old_len: int,
+    beta_fast: float,
+    beta_slow: float,
+    truncate: bool,
+) -> Tensor:
+    """YaRN's "NTK-by-parts": dimensions turning more than ``beta_fast`` times over
+    ``old_len`` positions extrapolate (keep their frequency), those turning fewer than
+    ``beta_slow`` times interpolate (frequency / factor), with a linear ramp between."""
+
+    def correction_dim(rotations: float) -> float:
+        return rot_dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rot_dim - 1)
+    if low == high:
+        high += 0.001  # as transformers: avoids dividing by zero
+    ramp = ((torch.arange(rot_dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1 - ramp
+    inv_freq = default_inv_freq(base, rot_dim)
+    return inv_freq / factor * (1 - extrapolation) + inv_freq * extrapolation
+
+
+def yarn_attention_factor(
+    factor: float, mscale: float | None = None, mscale_all_dim: float | None = None
+) -> float:
+    """YaRN's cos/sin factor: ``0.1·ln(factor) + 1``, or DeepSeek's ratio
+    ``mscale(factor, mscale) / mscale(factor, mscale_all_dim)`` when both are given."""
+
+    def get_mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if mscale and mscale_all_dim:
+        return get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim)
+    return get_mscale(factor)
+
+
+def longrope_attention_factor(factor: float, old_len: int) -> float:
+    """LongRoPE's (Phi-3's) cos/sin factor: ``sqrt(1 + ln(factor) / ln(old_len))``."""
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(old_len))
+
+
+def frequencies(o: RotaryOptions, rot_dim: int) -> Frequencies:
+    """The frequencies of options ``o`` for ``rot_dim`` rotating features."""
+    theta, factor, old_len = o.theta, o.scaling_factor, o.original_max_seq_len
+    if o.scaling in ("ntk", "dynamic") and rot_dim <= 2:
+        raise ValueError(f"{o.scaling} scaling needs rot_dim > 2, got rot_dim {rot_dim}")
+    if o.scaling == "ntk":
+        base = theta * factor ** (rot_dim / (rot_dim - 2))
+        return Frequencies(default_inv_freq(base, rot_dim), base=base)
+    plain = default_inv_freq(theta, rot_dim)
+    if o.scaling == "linear":
+        return Frequencies(plain / factor, base=theta)
+    if o.scaling == "llama3":
+        assert old_len is not None
+        inv = llama3_inv_freq(plain, factor, o.low_freq_factor, o.high_freq_factor, old_len)
+        return Frequencies(inv, base=theta)
+    if o.scaling == "yarn":
+        assert old_len is not None
+        inv = yarn_inv_freq(theta, rot_dim, factor, old_len, o.beta_fast, o.beta_slow, o.truncate)
+        attn = o.attention_factor
+        if attn is None:
+            attn = yarn_attention_factor(factor, o.mscale, o.mscale_all_dim)
+        return Frequencies(inv, attn, theta)
+    if o.scaling == "longrope":
+        assert old_len is not None and o.short_factor is not None and o.long_factor is not None
+        if len(o.short_factor) != rot_dim // 2:
+            raise ValueError(
+                f"longrope short_factor and long_factor have {len(o.short_factor)} numbers; "
+                f"rot_dim {rot_dim} needs rot_dim/2 = {rot_dim // 2}"
+            )
+        attn = o.attention_factor
+        if attn is None:
+            attn = longrope_attention_factor(factor, old_len)
+        short = plain / torch.tensor(o.short_factor, dtype=torch.float64)
+        long = plain / torch.tensor(o.long_factor, dtype=torch.float64)
+        return Frequencies(short, attn, theta, long)
+    return Frequencies(plain, base=theta)  # none, and dynamic up to original_max_seq_len
+
+
+def dynamic_inv_freq(
+    seq_len: Tensor, theta: float, factor: float, old_len: int, rot_dim: int
+) -> Tensor:
+    """Dynamic NTK inverse frequencies, float32 on ``seq_len``'s device, for a sequence of
+    ``seq_len`` (a 0-dim tensor, no host sync) positions: the base becomes
+    ``theta·(factor·L/old_len − (factor − 1))^(rot_dim/(rot_dim − 2))``, L = max(seq_len,
+    old_len), which is theta up to ``old_len``."""
+    length = seq_len.clamp(min=old_len).to(torch.float32)
+    base = theta * ((factor * length / old_len) - (factor - 1)) ** (rot_dim / (rot_dim - 2))
+    exponent = torch.arange(0, rot_dim, 2, device=seq_len.device).float() / rot_dim
+    return 1.0 / base**exponent
+
+
+# -- Hugging Face rope_parameters -------------------------------------------------------------
+
+
+def rope_options_from_hf(
+    rope_parameters: dict[str, Any],
+    head_dim: int,
+    partial_rotary_factor: float = 1.0,
+    max_position_embeddings: int | None = None,
+    *,
+    pairing: str = "half",
+) -> dict[str, Any]:
+    """llmkit ``rope`` options (with ``name``) computing what transformers computes for a
+    config with these ``rope_parameters`` (``rope_scaling`` in older configs; keys as in
+    ``transformers.modeling_rope_utils.RopeParameters``), ``head_dim``, the config's
+    ``partial_rotary_factor`` (one inside ``rope_parameters`` wins, as in transformers) and
+    ``max_position_embeddings``, which transformers' dynamic NTK takes as the original context
+    and yarn/longrope use when ``factor`` or ``original_max_position_embeddings`` is absent.
+    ``pairing``: "interleaved" for checkpoints whose q/k rotate adjacent pairs (DeepSeek's
+    ``rope_interleave``, GPT-J); rope_parameters never say so."""
+    p = dict(rope_parameters or {})
+    rope_type = p.get("rope_type") or p.get("type") or "default"
+    fraction = float(p.get("partial_rotary_factor") or partial_rotary_factor or 1.0)
+    out: dict[str, Any] = {"name": "rope", "theta": float(p.get("rope_theta", 10000.0))}
+    if fraction != 1.0:
+        out["rotary_fraction"] = fraction
+    if pairing != "half":
+        out["pairing"] = pairing
+    old_len = p.get("original_max_position_embeddings") or max_position_embeddings
+    factor = p.get("factor")
+    if rope_type in ("yarn", "longrope") and factor is None:
+        if not (old_len and max_position_embeddings):
+            raise ValueError(
+                f"rope_type {rope_type!r} without factor needs max_position_embeddings"
+            )
+        factor = max_position_embeddings / old_len
+    if rope_type == "default":
+        return out
+    if rope_type not in ("linear", "dynamic", "llama3", "yarn", "longrope"):
+        raise ValueError(f"rope_type {rope_type!r} has no llmkit rope equivalent")
+    out["scaling"] = rope_type
+    if rope_type == "dynamic":
+        old_len = max_position_embeddings  # transformers ignores original_max_position_embeddings
+    if rope_type != "linear":
+        if not old_len:
+            raise ValueError(f"rope_type {rope_type!r} needs max_position_embeddings")
+        out["original_max_seq_len"] = int(old_len)
+    if factor is None:
+        raise ValueError(f"rope_type {rope_type!r} needs factor")
+    if rope_type in ("linear", "dynamic", "llama3", "yarn"):
+        out["scaling_factor"] = float(factor)
+    if rope_type == "llama3":
+        out["low_freq_factor"] = float(p["low_freq_factor"])
+        out["high_freq_factor"] = float(p["high_freq_factor"])
+    elif rope_type == "yarn":
+        out["beta_fast"] = float(p.get("beta_fast") or 32.0)
+        out["beta_slow"] = float(p.get("beta_slow") or 1.0)
+        out["truncate"] = bool(p.get("truncate", True))
+        if p.get("attention_factor") is not None:
+            out["attention_factor"] = float(p["attention_factor"])
+        elif p.get("mscale") and p.get("mscale_all_dim"):
+            out["mscale"], out["mscale_all_dim"] = float(p["mscale"]), float(p["mscale_all_dim"])
+    elif rope_type == "longrope":
+        half = int(head_dim * fraction) // 2
+        if not len(p["short_factor"]) == len(p["long_factor"]) == half:
+            raise ValueError(
+                f"longrope short_factor/long_factor have {len(p['short_factor'])}/"
+                f"{len(p['long_factor'])} numbers; head_dim {head_dim} × {fraction} needs {half}"
+            )
+        out["short_factor"] = [float(x) for x in p["short_factor"]]
+        out["long_factor"] = [float(x) for x in p["long_factor"]]
+        if p.get("attention_factor") is not None:
+            out["attention_factor"] = float(p["attention_factor"])
+        else:  # factor only feeds the default attention factor, 1 for factor ≤ 1
+            out["scaling_factor"] = max(float(factor), 1.0)
+    return out
+
+
+def rope_parameters_to_hf(options: dict[str, Any]) -> dict[str, Any]:
+    """transformers ``rope_parameters`` for llmkit ``rope`` options (``name`` optional), the
+    inverse of :func:`rope_options_from_hf`. Not expressed there: ``pairing`` (transformers'
+    Llama rotates halves: export interleaved q/k weights permuted, as
+    convert_llama_weights_to_hf does) and, for ``scaling='dynamic'``, the original context:
+    transformers reads it from the config's ``max_position_embeddings``, which must be set to
+    ``original_max_seq_len``. ``ntk`` (static NTK-aware base) has no transformers rope_type:
+    a ValueError (export the default type with the scaled base as ``rope_theta``)."""
+    from llmkit.components.position.rope import RotaryOptions
+
+    opts = dict(options)
+    if opts.pop("name", "rope") != "rope":
+        raise ValueError(f"not rope options: name {options['name']!r}")
+    o = RotaryOptions.model_validate(opts)
+    out: dict[str, Any] = {"rope_type": o.scaling, "rope_theta": o.theta}
+    if o.rotary_fraction != 1.0:
+        out["partial_rotary_factor"] = o.rotary_fraction
+    if o.scaling == "ntk":
+        raise ValueError(
+            "scaling='ntk' has no transformers rope_type; export a default rope with "
+            "theta·factor^(rot_dim/(rot_dim−2)) as rope_theta"
+        )
+    if o.scaling == "none":
+        out["rope_type"] = "default"
+        return out
+    if o.scaling != "longrope" or o.attention_factor is None:
+        out["factor"] = o.scaling_factor
+    if o.scaling in ("llama3", "yarn", "longrope"):
+        out["original_max_position_embeddings"] = o.original_max_seq_len
+    if o.scaling == "llama3":
+        out["low_freq_factor"] = o.low_freq_factor
+        out["high_freq_factor"] = o.high_freq_factor
+    elif o.scaling == "yarn":
+        out.update(beta_fast=o.beta_fast, beta_slow=o.beta_slow, truncate=o.truncate)
+        if o.mscale is not None:
+            out.update(mscale=o.mscale, mscale_all_dim=o.mscale_all_dim)
+    elif o.scaling == "longrope":
+        out["short_factor"] = list(o.short_factor or ())
+        out["long_factor"] = list(o.long_factor or ())
+    if o.scaling in ("yarn", "longrope") and o.attention_factor is not None:
+        out["attention_factor"] = o.attention_factor
+    return out

@@ -1,0 +1,202 @@
+"""Hugging Face checkpoints in and out: in memory (:func:`hf_to_llmkit`, :func:`llmkit_to_hf`)
+and between directories (:func:`import_hf`, :func:`export_hf`).
+
+Import reads ``config.json``, picks the family by ``model_type``, writes llmkit's spec for it,
+builds the model and fills it through the family's tensor rules; every checkpoint tensor
+must be used and every model tensor filled. Export asks each family for a config in turn;
+the first that can hold the spec wins, and the config it wrote must import back to the same
+model (so a setting the family would drop is refused, by name, instead of lost).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from llmkit.errors import LlmkitError
+from llmkit.interop import hf_files
+from llmkit.interop.family import Family, Refused
+from llmkit.interop.mapping import to_hf, to_llmkit
+from llmkit.spec import ResolvedSpec, resolve
+
+
+def _families() -> tuple[Family, ...]:
+    """Every module of :mod:`llmkit.interop.families` defines ``FAMILY``; export tries them
+    by ascending ``Family.priority``."""
+    import importlib
+    import pkgutil
+
+    from llmkit.interop import families
+
+    found = []
+    for info in pkgutil.iter_modules(families.__path__):
+        module = importlib.import_module(f"{families.__name__}.{info.name}")
+        found.append(module.FAMILY)
+    return tuple(sorted(found, key=lambda f: (f.priority, type(f).__name__)))
+
+
+#: Every family, in the order export tries them.
+FAMILIES: tuple[Family, ...] = _families()
+#: Options that matter only in training: export does not compare them.
+TRAINING_ONLY = {"dropout", "init_std", "scaled_residual_init", "load_balance_coef", "z_loss_coef"}
+
+
+def supported_model_types() -> dict[str, str]:
+    """Every ``model_type`` import reads, with its transformers class name."""
+    return {t: a for f in FAMILIES for t, a in f.architectures.items()}
+
+
+def family_for(model_type: Any) -> Family:
+    """The family that reads ``model_type``; a one-line error listing the supported ones."""
+    for fam in FAMILIES:
+        if model_type in fam.architectures:
+            return fam
+    known = ", ".join(sorted(t for f in FAMILIES for t in f.architectures))
+    raise LlmkitError(f"model_type {model_type!r} is not supported (supported: {known})")
+
+
+def model_table(cfg: dict[str, Any], attention: str = "sdpa") -> dict[str, Any]:
+    """llmkit's ``model`` table for an HF config; full-attention layers use ``attention``."""
+    table = family_for(cfg.get("model_type")).spec(cfg)
+    if attention != "sdpa" and table.get("attention", {}).get("name") == "sdpa":
+        table["attention"] = {"name": attention}
+    return table
+
+
+@dataclass
+class Imported:
+    """An HF checkpoint as an llmkit model: the run's spec, the model (eval mode) and notes."""
+
+    raw: dict[str, Any]
+    spec: ResolvedSpec
+    model: nn.Module
+    config: dict[str, Any]
+    source_dtype: str
+    notes: list[str] = field(default_factory=list)
+
+
+def _spec_for(cfg: dict[str, Any], name: str, attention: str) -> tuple[dict, ResolvedSpec]:
+    raw = {"name": name, "model": model_table(cfg, attention)}
+    try:
+        return raw, resolve(copy.deepcopy(raw), source=f"{name} (config.json)")
+    except LlmkitError as exc:
+        raise LlmkitError(f"config.json maps to a spec llmkit refuses: {exc}") from exc
+
+
+def _fill(model: nn.Module, ours: dict[str, torch.Tensor]) -> None:
+    expected = model.state_dict()
+    for name, t in ours.items():
+        if name not in expected:
+            raise LlmkitError(f"mapped tensor {name!r} is not in the model")
+        if tuple(t.shape) != tuple(expected[name].shape):
+            raise LlmkitError(
+                f"{name}: the checkpoint gives shape {tuple(t.shape)}, the model has "
+                f"{tuple(expected[name].shape)}"
+            )
+    missing = sorted(set(expected) - set(ours))
+    if missing:
+        raise LlmkitError(f"the checkpoint fills no {missing[0]!r}")
+    with torch.no_grad():
+        for name, p in model.state_dict(keep_vars=True).items():
+            p.copy_(ours[name])
+
+
+def hf_to_llmkit(hf_dir: str | Path, *, attention: str = "sdpa") -> Imported:
+    """Read a local HF checkpoint into an llmkit model (fp32, eval mode)."""
+    from llmkit.model import build_model
+
+    d = Path(hf_dir).expanduser()
+    cfg = hf_files.read_config(d)
+    fam = family_for(cfg.get("model_type"))
+    raw, rs = _spec_for(cfg, d.name or "imported", attention)
+    tensors = hf_files.read_weights(d)
+    dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in tensors.values()})
+    tied = rs.model.tie_embeddings
+    ignore = fam.ignore + (("lm_head.weight",) if tied else ())
+    ours = to_llmkit(fam.rules(cfg), tensors, ignore=ignore)
+    if tied:
+        head = tensors.get("lm_head.weight")
+        if head is not None and not torch.equal(head, ours["tok_emb.weight"]):
+            raise LlmkitError("tie_word_embeddings is set but lm_head differs from the embedding")
+        ours["lm_head.weight"] = ours["tok_emb.weight"]
+    model = build_model(rs)
+    _fill(model, {k: v.float() for k, v in ours.items()})
+    model.eval()
+    source_dtype = cfg.get("torch_dtype") or cfg.get("dtype") or (dtypes[0] if dtypes else "")
+    return Imported(raw, rs, model, cfg, str(source_dtype))
+
+
+#: Kernels computing the same full causal attention; a window makes any of them windowed.
+FULL_ATTENTION = {"sdpa", "flash", "dense", "sliding_window"}
+
+
+def _kernel(opts: dict[str, Any]) -> dict[str, Any]:
+    """What an attention kernel computes, whichever kernel computes it."""
+    if opts.get("name") not in FULL_ATTENTION:
+        return opts
+    out = {"name": "window" if opts.get("window") else "full"}
+    return out | {k: opts[k] for k in ("window", "softcap") if opts.get(k) is not None}
+
+
+def _comparable(rs: ResolvedSpec) -> dict[str, Any]:
+    def strip(x: Any) -> Any:
+        if isinstance(x, dict):
+            if "attention" in x and isinstance(x["attention"], dict):
+                x = x | {"attention": _kernel(x["attention"])}
+            return {k: strip(v) for k, v in x.items() if k not in TRAINING_ONLY}
+        if isinstance(x, list):
+            return [strip(v) for v in x]
+        return x
+
+    model = rs.to_dict()["model"]
+    model.pop("norm_placement", None)
+    return strip(model)
+
+
+def _differences(a: Any, b: Any, path: str = "model") -> list[str]:
+    if isinstance(a, dict) and isinstance(b, dict):
+        out = []
+        for k in sorted(set(a) | set(b), key=str):
+            out += _differences(a.get(k), b.get(k), f"{path}.{k}")
+        return out
+    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        return [d for i, (x, y) in enumerate(zip(a, b)) for d in _differences(x, y, f"{path}[{i}]")]
+    return [] if a == b else [f"{path} ({a!r} here, {b!r} after export)"]
+
+
+def hf_config_for(rs: ResolvedSpec) -> tuple[Family, dict[str, Any]]:
+    """The first family that holds the spec exactly, and its HF config."""
+    reasons = []
+    for fam in FAMILIES:
+        try:
+            cfg = fam.hf_config(rs)
+        except Refused as exc:
+            reasons.append(f"{type(fam).__name__.lower()}: {exc}")
+            continue
+        back = resolve({"model": fam.spec(copy.deepcopy(cfg))})
+        diff = _differences(_comparable(rs), _comparable(back))
+        if diff:
+            reasons.append(f"{cfg['model_type']}: would change {diff[0]}")
+            continue
+        return fam, cfg
+    raise LlmkitError("no Hugging Face architecture holds this model: " + "; ".join(reasons))
+
+
+def llmkit_to_hf(
+    model: nn.Module, rs: ResolvedSpec, dtype: torch.dtype | None = None
+) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """(HF config, HF state dict) of an llmkit model."""
+    fam, cfg = hf_config_for(rs)
+    state = {k: v.detach() for k, v in model.state_dict().items()}
+    tensors = to_hf(fam.rules(cfg), state)
+    if dtype is not None:
+        tensors = {k: v.to(dtype) for k, v in tensors.items()}
+    cfg = dict(cfg)
+    cfg["architectures"] = [fam.architectures[cfg["model_type"]]]
+    cfg["torch_dtype"] = str(dtype or next(iter(tensors.values())).dtype).removeprefix("torch.")
+    return cfg, tensors

@@ -1,0 +1,1 @@
+"""One module per Hugging Face architecture family (see :mod:`llmkit.interop.family`)."""

@@ -1,0 +1,64 @@
+"""Parity with transformers for the Llama family: Llama, Mistral, Mixtral, Qwen2, Qwen3,
+Qwen3-MoE (random small configs, fp32, see hf_parity)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.interop.hf_parity import check_family
+
+SMALL = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, vocab_size=97, max_position_embeddings=128)  # fmt: skip
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "flash", "dense"])
+def test_llama_gqa_untied(tmp_path, attention):
+    check_family(tmp_path, "LlamaConfig", "LlamaForCausalLM", attention=attention, **SMALL)
+
+
+def test_llama_mqa_tied_explicit_head_dim_with_biases(tmp_path):
+    cfg = SMALL | dict(num_key_value_heads=1, head_dim=24, tie_word_embeddings=True,
+                       attention_bias=True, mlp_bias=True, rope_theta=500000.0)  # fmt: skip
+    check_family(tmp_path, "LlamaConfig", "LlamaForCausalLM", **cfg)
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "sliding_window", "dense"])
+def test_mistral_window_shorter_than_the_prompts(tmp_path, attention):
+    # sequences of 19 tokens (+32 generated) against a window of 8: the window matters
+    cfg = SMALL | dict(sliding_window=8)
+    check_family(tmp_path, "MistralConfig", "MistralForCausalLM", attention=attention, **cfg)
+
+
+def test_mixtral_top2(tmp_path):
+    cfg = SMALL | dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=48)
+    check_family(tmp_path, "MixtralConfig", "MixtralForCausalLM", **cfg)
+
+
+def test_qwen2_qkv_bias_without_output_bias(tmp_path):
+    cfg = SMALL | dict(tie_word_embeddings=True)
+    check_family(tmp_path, "Qwen2Config", "Qwen2ForCausalLM", attention="flash", **cfg)
+
+
+def test_qwen2_window_on_the_last_layers(tmp_path):
+    cfg = SMALL | dict(num_hidden_layers=3, use_sliding_window=True, sliding_window=6,
+                       max_window_layers=1)  # fmt: skip
+    check_family(tmp_path, "Qwen2Config", "Qwen2ForCausalLM", **cfg)
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "flash", "sliding_window"])
+def test_qwen3_qk_norm_before_rope(tmp_path, attention):
+    cfg = SMALL | dict(head_dim=32)
+    check_family(tmp_path, "Qwen3Config", "Qwen3ForCausalLM", attention=attention, **cfg)
+
+
+@pytest.mark.parametrize("renormalize", [False, True])
+def test_qwen3_moe_top_k_of_the_full_softmax(tmp_path, renormalize):
+    cfg = SMALL | dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+                       norm_topk_prob=renormalize, mlp_only_layers=[0])  # fmt: skip
+    check_family(tmp_path, "Qwen3MoeConfig", "Qwen3MoeForCausalLM", **cfg)
+
+
+def test_qwen2_moe_gated_shared_expert(tmp_path):
+    cfg = SMALL | dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+                       shared_expert_intermediate_size=40)  # fmt: skip
+    check_family(tmp_path, "Qwen2MoeConfig", "Qwen2MoeForCausalLM", **cfg)

@@ -1,0 +1,193 @@
+"""``llmkit import-hf`` / ``export-hf`` end to end: a local HF checkpoint with a tokenizer
+becomes a run that generate, eval, info, bench generate and fine-tuning use, and goes back
+out as a directory transformers loads (weights bit for bit)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from llmkit.cli.app import main
+from llmkit.interop import hf_files
+from tests.interop.hf_parity import make_hf
+
+TEXT = "\n".join(f"def f{i}(x):\n    return x * {i} + {i % 7}" for i in range(200))
+
+
+def save_tokenizer(path: Path) -> int:
+    """A small byte-level BPE with EOS and BOS, saved as transformers would; its size."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<|endoftext|>", "<s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(TEXT.splitlines(), trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|endoftext|>", bos_token="<s>"
+    )
+    fast.save_pretrained(path)
+    return tok.get_vocab_size()
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    src = tmp_path_factory.mktemp("hf") / "tiny-llama"
+    src.mkdir()
+    n = save_tokenizer(src)
+    model = make_hf(
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        src,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=n + 4,  # padded embedding rows, as real checkpoints have
+        max_position_embeddings=128,
+        eos_token_id=0,
+        bos_token_id=1,
+    )
+    return src, model
+
+
+@pytest.fixture(scope="module")
+def run(checkpoint, tmp_path_factory):
+    out = tmp_path_factory.mktemp("runs") / "imported"
+    assert main(["import-hf", str(checkpoint[0]), str(out)]) == 0
+    return out
+
+
+def test_import_writes_a_normal_run(run):
+    for name in ("spec.yaml", "resolved.json", "model.safetensors", "tokenizer.json"):
+        assert (run / name).is_file(), name
+    source = json.loads((run / "hf_source.json").read_text())
+    assert source["model_type"] == "llama" and source["eos_token_id"] == 0
+
+
+def test_generate_matches_transformers_greedy(run, checkpoint, capsys):
+    from transformers import AutoTokenizer
+
+    hf_tok = AutoTokenizer.from_pretrained(checkpoint[0])
+    prompt = "def f3(x):"
+    ids = hf_tok(prompt, add_special_tokens=False, return_tensors="pt").input_ids
+    want = checkpoint[1].generate(
+        ids, max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0
+    )[0, ids.shape[1] :].tolist()
+    capsys.readouterr()
+    argv = ["generate", str(run), "--prompt", prompt, "--max-new-tokens", "12"]
+    assert main([*argv, "--temperature", "0", "--ignore-eos", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    rows = out if isinstance(out, list) else out.get("results", [out])
+    assert rows[0]["ids"] == want
+
+
+def test_eval_info_and_bench_work_on_the_run(run, checkpoint, tmp_path, capsys):
+    text = tmp_path / "held_out.txt"
+    text.write_text(TEXT[:3000])
+    assert main(["eval", str(run), "--data", str(text), "--json", "--no-save"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert 0 < result["ppl"] < 1e4 and result["tokens"] > 100
+    assert main(["info", str(run / "spec.yaml"), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out.split("\n{", 1)[-1].join(["{", ""]))
+    assert info["params"] == checkpoint[1].num_parameters()
+    argv = ["bench", "generate", str(run), "--batch-sizes", "1", "--new-tokens", "4"]
+    assert main([*argv, "--repeats", "1", "--prompt-len", "8"]) == 0
+
+
+def test_fine_tuning_starts_from_the_imported_run(run, tmp_path):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(TEXT)
+    spec = tmp_path / "finetune.toml"
+    spec.write_text(
+        f'extends = "{run / "spec.yaml"}"\n'
+        "[data]\nsource = { name = \"text\", paths = [\"" + str(corpus) + '"] }\n'
+        "block_size = 32\n"
+        f'[train]\ninit_from = "{run}"\nmax_steps = 2\nbatch_size = 2\n'
+        "eval_interval = 2\neval_batches = 1\nsample_tokens = 0\nplot = false\n"
+        "[schedule]\nname = \"constant\"\n"
+    )
+    out = tmp_path / "ft"
+    assert main(["train", str(spec), "--out", str(out), "--no-progress"]) == 0
+    assert (out / "model.safetensors").is_file()
+    assert (out / "tokenizer.json").read_text() == (run / "tokenizer.json").read_text()
+
+
+def test_export_loads_in_transformers_bit_for_bit(run, checkpoint, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = tmp_path / "exported"
+    assert main(["export-hf", str(run), str(out)]) == 0
+    original = hf_files.read_weights(checkpoint[0])
+    exported = hf_files.read_weights(out)
+    assert exported.keys() == original.keys()
+    assert all(torch.equal(exported[k], original[k]) for k in original)
+    back = AutoModelForCausalLM.from_pretrained(out).eval()
+    ids = torch.randint(0, 300, (2, 9))
+    with torch.no_grad():
+        assert torch.equal(back(ids).logits, checkpoint[1](ids).logits)
+    tok, ref = AutoTokenizer.from_pretrained(out), AutoTokenizer.from_pretrained(checkpoint[0])
+    assert tok("def g(y): return y", add_special_tokens=False).input_ids == ref(
+        "def g(y): return y", add_special_tokens=False
+    ).input_ids
+    assert tok.eos_token == "<|endoftext|>" and back.config.eos_token_id == 0
+
+
+def one_line_error(capsys, argv: list[str]) -> str:
+    assert main(argv) != 0
+    err = capsys.readouterr().err.strip()
+    assert err and len(err.splitlines()) == 1 and "Traceback" not in err
+    return err
+
+
+def test_bad_input_is_one_line(checkpoint, run, tmp_path, capsys):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert "config.json" in one_line_error(capsys, ["import-hf", str(empty), str(tmp_path / "a")])
+    bert = tmp_path / "bert"
+    bert.mkdir()
+    (bert / "config.json").write_text(json.dumps({"model_type": "bert"}))
+    err = one_line_error(capsys, ["import-hf", str(bert), str(tmp_path / "b")])
+    assert "bert" in err and "llama" in err
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text((checkpoint[0] / "config.json").read_text())
+    tensors = hf_files.read_weights(checkpoint[0])
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    hf_files.write_weights(tensors, broken)
+    err = one_line_error(capsys, ["import-hf", str(broken), str(tmp_path / "c")])
+    assert "model.layers.1.mlp.up_proj.weight" in err
+    assert not (tmp_path / "c").exists()
+    err = one_line_error(capsys, ["import-hf", str(checkpoint[0]), str(run)])
+    assert "not empty" in err
+
+
+def test_export_refuses_what_no_hf_architecture_holds(tmp_path, capsys):
+    from llmkit.model import build_model
+    from llmkit.runs import save_spec
+    from llmkit.runs.checkpoints import save_weights
+    from llmkit.spec import resolve
+
+    raw = {
+        "model": {
+            "vocab_size": 50, "d_model": 32, "n_layers": 1, "n_heads": 4,
+            "position": {"name": "alibi"}, "ffn": {"name": "swiglu"},
+            "norm": {"name": "rmsnorm"}, "bias": False,
+        }
+    }  # fmt: skip
+    rs = resolve(raw)
+    run = tmp_path / "alibi-swiglu"
+    run.mkdir()
+    save_spec(rs, run)
+    save_weights(build_model(rs), run / "model.safetensors")
+    err = one_line_error(capsys, ["export-hf", str(run), str(tmp_path / "out")])
+    assert "no Hugging Face architecture" in err and "alibi" in err
