@@ -16,6 +16,8 @@ from llmkit.spec import ResolvedSpec
 
 #: Families whose window is switched on by ``use_sliding_window``.
 OPT_IN = ("qwen2", "qwen3", "qwen3_moe", "qwen2_moe")
+#: Families whose configs without ``layer_types`` window every other layer (from layer 0).
+ALTERNATING = ("gemma2",)
 #: Families with one window for every layer (no ``layer_types``).
 EVERY_LAYER = ("mistral", "mixtral", "starcoder2")
 
@@ -36,6 +38,8 @@ def hf_layer_windows(cfg: dict[str, Any]) -> list[int | None]:
     if mt in OPT_IN:
         first = cfg.get("max_window_layers", n)
         return [w if i >= first else None for i in range(n)]
+    if mt in ALTERNATING:  # configs before layer_types: even layers slide
+        return [w if i % 2 == 0 else None for i in range(n)]
     return [w] * n
 
 

@@ -128,7 +128,7 @@ def hf_to_llmkit(hf_dir: str | Path, *, attention: str = "sdpa") -> Imported:
     _fill(model, {k: v.float() for k, v in ours.items()})
     model.eval()
     source_dtype = cfg.get("torch_dtype") or cfg.get("dtype") or (dtypes[0] if dtypes else "")
-    return Imported(raw, rs, model, cfg, str(source_dtype))
+    return Imported(raw, rs, model, cfg, str(source_dtype), fam.notes(cfg))
 
 
 #: Kernels computing the same full causal attention; a window makes any of them windowed.
@@ -143,11 +143,32 @@ def _kernel(opts: dict[str, Any]) -> dict[str, Any]:
     return out | {k: opts[k] for k in ("window", "softcap") if opts.get(k) is not None}
 
 
+def _effective(x: dict[str, Any], d_model: int, bias: bool) -> dict[str, Any]:
+    """Options as they take effect: an unset bias is the model's, a hidden size is the one
+    ``multiplier`` and ``multiple_of`` give, a shared expert block's width is spelled out."""
+    from llmkit.contracts import ffn_hidden
+
+    x = dict(x)
+    if "bias" in x and x["bias"] is None:
+        x["bias"] = bias
+    if {"hidden", "multiplier", "multiple_of"} <= x.keys():
+        x["hidden"] = ffn_hidden(d_model, x["hidden"], x.pop("multiplier"), x.pop("multiple_of"))
+    if isinstance(x.get("expert"), dict) and x.get("shared_hidden") is None:
+        hidden = _effective(x["expert"], d_model, bias)["hidden"]
+        x["shared_hidden"] = x.get("shared_experts", 0) * hidden
+    return x
+
+
 def _comparable(rs: ResolvedSpec) -> dict[str, Any]:
+    """The resolved model table as it computes: training-only options dropped, kernels by
+    what they compute, options by their effect."""
+    m = rs.model
+
     def strip(x: Any) -> Any:
         if isinstance(x, dict):
             if "attention" in x and isinstance(x["attention"], dict):
                 x = x | {"attention": _kernel(x["attention"])}
+            x = _effective(x, m.d_model, m.bias)
             return {k: strip(v) for k, v in x.items() if k not in TRAINING_ONLY}
         if isinstance(x, list):
             return [strip(v) for v in x]
@@ -155,6 +176,8 @@ def _comparable(rs: ResolvedSpec) -> dict[str, Any]:
 
     model = rs.to_dict()["model"]
     model.pop("norm_placement", None)
+    for key in ("qkv_bias", "attn_out_bias"):
+        model[key] = m.bias if model.get(key) is None else model[key]
     return strip(model)
 
 
@@ -169,10 +192,12 @@ def _differences(a: Any, b: Any, path: str = "model") -> list[str]:
     return [] if a == b else [f"{path} ({a!r} here, {b!r} after export)"]
 
 
-def hf_config_for(rs: ResolvedSpec) -> tuple[Family, dict[str, Any]]:
-    """The first family that holds the spec exactly, and its HF config."""
+def hf_config_for(rs: ResolvedSpec, prefer: str | None = None) -> tuple[Family, dict[str, Any]]:
+    """The first family that holds the spec exactly, and its HF config; the family of the
+    ``model_type`` ``prefer`` (an imported run's) is asked first."""
     reasons = []
-    for fam in FAMILIES:
+    order = sorted(FAMILIES, key=lambda f: prefer not in f.architectures)
+    for fam in order:
         try:
             cfg = fam.hf_config(rs)
         except Refused as exc:
@@ -188,10 +213,10 @@ def hf_config_for(rs: ResolvedSpec) -> tuple[Family, dict[str, Any]]:
 
 
 def llmkit_to_hf(
-    model: nn.Module, rs: ResolvedSpec, dtype: torch.dtype | None = None
+    model: nn.Module, rs: ResolvedSpec, dtype: torch.dtype | None = None, prefer: str | None = None
 ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """(HF config, HF state dict) of an llmkit model."""
-    fam, cfg = hf_config_for(rs)
+    """(HF config, HF state dict) of an llmkit model (``prefer``: see :func:`hf_config_for`)."""
+    fam, cfg = hf_config_for(rs, prefer)
     state = {k: v.detach() for k, v in model.state_dict().items()}
     tensors = to_hf(fam.rules(cfg), state)
     if dtype is not None:

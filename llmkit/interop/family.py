@@ -41,6 +41,10 @@ class Family(ABC):
     def rules(self, cfg: dict[str, Any]) -> list[Rule]:
         """The tensor rules for an HF config (tied heads: no rule for ``lm_head``)."""
 
+    def notes(self, cfg: dict[str, Any]) -> list[str]:
+        """What a user should know about importing this config (shown by ``import-hf``)."""
+        return []
+
     @abstractmethod
     def hf_config(self, rs: ResolvedSpec) -> dict[str, Any]:
         """An HF config (with ``model_type``) for a resolved spec (raises :class:`Refused`)."""

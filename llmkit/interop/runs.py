@@ -103,7 +103,7 @@ def export_hf(
     load_weights(model, found.weights(which))
     source_file = found.dir / SOURCE_FILE
     source = hf_files.read_json(source_file) if source_file.is_file() else {}
-    cfg, tensors = llmkit_to_hf(model, rs, _dtype(dtype, source))
+    cfg, tensors = llmkit_to_hf(model, rs, _dtype(dtype, source), source.get("model_type"))
     has_tokenizer = (found.dir / TOKENIZER_FILE).is_file()
     tok = found.tokenizer(rs) if has_tokenizer else None
     eos = tok.eos_id if tok is not None else None

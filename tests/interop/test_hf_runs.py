@@ -191,3 +191,23 @@ def test_export_refuses_what_no_hf_architecture_holds(tmp_path, capsys):
     save_weights(build_model(rs), run / "model.safetensors")
     err = one_line_error(capsys, ["export-hf", str(run), str(tmp_path / "out")])
     assert "no Hugging Face architecture" in err and "alibi" in err
+
+
+def test_export_compares_options_by_their_effect():
+    """A hand-written spec (hidden from a multiplier, biases following the model) exports:
+    the config read back spells them out, which changes nothing."""
+    from llmkit.interop.convert import hf_config_for
+    from llmkit.spec import resolve
+
+    rs = resolve(
+        {
+            "model": {
+                "vocab_size": 64, "d_model": 48, "n_layers": 2, "n_heads": 4, "bias": False,
+                "tie_embeddings": False, "position": {"name": "rope"},
+                "norm": {"name": "rmsnorm", "eps": 1e-5},
+                "ffn": {"name": "swiglu", "multiplier": 2.0, "multiple_of": 32},
+            }
+        }
+    )  # fmt: skip
+    _, cfg = hf_config_for(rs)
+    assert cfg["model_type"] == "llama" and cfg["intermediate_size"] == 96

@@ -1,0 +1,192 @@
+"""The Gemma family: Gemma (Gemma Team 2024: √d_model embedding scale, RMSNorm with a unit
+offset (1 + w), GeGLU with tanh GELU, MQA in the 2B model, head_dim 256, tied head) and Gemma 2
+(sandwich norms around both sublayers, attention and final logit soft-capping, a softmax scale
+of query_pre_attn_scalar^-1/2, sliding-window layers alternating with global ones).
+
+transformers names: ``model.embed_tokens``, ``model.layers.{i}.input_layernorm``,
+``.self_attn.{q,k,v,o}_proj``, ``.post_attention_layernorm`` (Gemma: before the MLP; Gemma 2:
+on the attention's output), ``.pre_feedforward_layernorm`` / ``.post_feedforward_layernorm``
+(Gemma 2), ``.mlp.{gate,up,down}_proj``, ``model.norm``; the head is tied by default.
+Attention soft-capping needs the ``dense`` kernel (the fused ones cannot cap scores), so a
+Gemma 2 model with it runs ``dense`` on every layer, windowed where HF windows.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, ClassVar
+
+from llmkit.interop import attention_layers as layers_of
+from llmkit.interop.family import Family, Refused, need, part, same_in_every_layer
+from llmkit.interop.mapping import Rule, rows, same
+from llmkit.interop.rotary import hf_rope, rope_options
+from llmkit.spec import ResolvedSpec
+
+#: HF's GELU names → GeGLU's ``approximate``.
+GELU = {"gelu_pytorch_tanh": "tanh", "gelu_new": "tanh", "gelu_fast": "tanh", "gelu": "none"}
+HF_GELU = {"tanh": "gelu_pytorch_tanh", "none": "gelu"}
+
+
+class Gemma(Family):
+    priority = 15
+    architectures: ClassVar[dict[str, str]] = {
+        "gemma": "GemmaForCausalLM",
+        "gemma2": "Gemma2ForCausalLM",
+    }
+
+    # -- import -----------------------------------------------------------------------------
+    def spec(self, cfg: dict[str, Any]) -> dict[str, Any]:
+        mt = cfg["model_type"]
+        d, heads = need(cfg, "hidden_size"), need(cfg, "num_attention_heads")
+        head_dim = cfg.get("head_dim") or d // heads
+        act_key = "hidden_act" if mt == "gemma" else "hidden_activation"
+        act = cfg.get(act_key) or "gelu_pytorch_tanh"
+        if act not in GELU:
+            raise Refused(f"{act_key} {act!r}: Gemma's MLP is a GeGLU")
+        if cfg.get("use_bidirectional_attention"):
+            raise Refused("use_bidirectional_attention: llmkit's models are causal")
+        bias = bool(cfg.get("attention_bias", False))
+        model: dict[str, Any] = {
+            "vocab_size": need(cfg, "vocab_size"),
+            "d_model": d,
+            "n_layers": need(cfg, "num_hidden_layers"),
+            "n_heads": heads,
+            "n_kv_heads": cfg.get("num_key_value_heads") or heads,
+            "head_dim": head_dim,
+            "max_seq_len": cfg.get("max_position_embeddings", 8192),
+            "bias": False,
+            "qkv_bias": bias,
+            "attn_out_bias": bias,
+            "tie_embeddings": bool(cfg.get("tie_word_embeddings", True)),
+            "embedding_scale": "sqrt_d_model",
+            "final_norm": True,
+            "init_std": cfg.get("initializer_range", 0.02),
+            "block": {"name": "pre_norm" if mt == "gemma" else "sandwich"},
+            "norm": {"name": "rmsnorm", "eps": cfg.get("rms_norm_eps", 1e-6), "offset": 1.0},
+            "position": rope_options(cfg, head_dim),
+            "ffn": {
+                "name": "geglu",
+                "hidden": need(cfg, "intermediate_size"),
+                "approximate": GELU[act],
+                "bias": False,
+            },
+        }
+        if mt == "gemma2":
+            model["attn_scale"] = float(cfg.get("query_pre_attn_scalar", head_dim)) ** -0.5
+            if cfg.get("final_logit_softcapping"):
+                model["logit_softcap"] = float(cfg["final_logit_softcapping"])
+        cap = cfg.get("attn_logit_softcapping") if mt == "gemma2" else None
+        if cap:
+            windows = layers_of.hf_layer_windows(cfg)
+            model["attention"] = {"name": "dense", "softcap": float(cap)}
+            for w in sorted({w for w in windows if w is not None}):
+                picked = [i for i, x in enumerate(windows) if x == w]
+                kernel = {"name": "dense", "softcap": float(cap), "window": w}
+                model.setdefault("overrides", []).append({"layers": picked, "attention": kernel})
+        else:
+            layers_of.add_windows(model, cfg)
+        return model
+
+    def rules(self, cfg: dict[str, Any]) -> list[Rule]:
+        m = self.spec(cfg)
+        H, Hkv, D = m["n_heads"], m["n_kv_heads"], m["head_dim"]
+        sizes = [H * D, Hkv * D, Hkv * D]
+        out = [same("tok_emb.weight", "model.embed_tokens.weight")]
+        if m["block"]["name"] == "pre_norm":
+            norms = {"norm1": "input_layernorm", "norm2": "post_attention_layernorm"}
+        else:
+            norms = {
+                "norm1": "input_layernorm",
+                "attn_post_norm": "post_attention_layernorm",
+                "norm2": "pre_feedforward_layernorm",
+                "ffn_post_norm": "post_feedforward_layernorm",
+            }
+        for i in range(m["n_layers"]):
+            hf, us = f"model.layers.{i}.", f"layers.{i}."
+            a = hf + "self_attn."
+            out += [same(us + f"{k}.weight", hf + f"{v}.weight") for k, v in norms.items()]
+            out += [
+                rows(us + "attn.qkv.weight", [a + f"{p}_proj.weight" for p in "qkv"], sizes),
+                same(us + "attn.out_proj.weight", a + "o_proj.weight"),
+                same(us + "ffn.gate_proj.weight", hf + "mlp.gate_proj.weight"),
+                same(us + "ffn.up_proj.weight", hf + "mlp.up_proj.weight"),
+                same(us + "ffn.out_proj.weight", hf + "mlp.down_proj.weight"),
+            ]
+            if m["qkv_bias"]:
+                out += [
+                    rows(us + "attn.qkv.bias", [a + f"{p}_proj.bias" for p in "qkv"], sizes),
+                    same(us + "attn.out_proj.bias", a + "o_proj.bias"),
+                ]
+        out.append(same("norm_f.weight", "model.norm.weight"))
+        if not m["tie_embeddings"]:
+            out.append(same("lm_head.weight", "lm_head.weight"))
+        return out
+
+    # -- export -----------------------------------------------------------------------------
+    def hf_config(self, rs: ResolvedSpec) -> dict[str, Any]:
+        m = rs.model
+        scale = m.embedding_scale
+        if scale != "sqrt_d_model" and not math.isclose(float(scale), math.sqrt(m.d_model)):
+            raise Refused("no √d_model embedding scale")
+        block, block_opts = same_in_every_layer(rs, "block")
+        if block == "pre_norm":
+            mt = "gemma"
+        elif block == "sandwich" and block_opts.get("input_norms", True):
+            mt = "gemma2"
+        else:
+            raise Refused(f"block {block!r}: Gemma is pre_norm, Gemma 2 sandwich")
+        norm, norm_opts = same_in_every_layer(rs, "norm")
+        if norm != "rmsnorm" or norm_opts.get("offset") != 1.0:
+            raise Refused("norm: Gemma's is an RMSNorm with gain 1 + w (offset 1)")
+        if same_in_every_layer(rs, "qk_transform")[0]:
+            raise Refused("a qk_transform: Gemma and Gemma 2 have none")
+        ffn, ffn_opts = same_in_every_layer(rs, "ffn")
+        if ffn != "geglu":
+            raise Refused(f"ffn {ffn!r}: Gemma's MLP is a GeGLU")
+        qkv_bias = m.bias if m.qkv_bias is None else m.qkv_bias
+        from llmkit.contracts import ffn_hidden
+
+        hidden = ffn_hidden(
+            m.d_model, ffn_opts.get("hidden"), ffn_opts["multiplier"], ffn_opts["multiple_of"]
+        )
+        cfg: dict[str, Any] = {
+            "model_type": mt,
+            "vocab_size": m.vocab_size,
+            "hidden_size": m.d_model,
+            "intermediate_size": hidden,
+            "num_hidden_layers": m.n_layers,
+            "num_attention_heads": m.n_heads,
+            "num_key_value_heads": m.kv_heads,
+            "head_dim": m.dim_head,
+            "max_position_embeddings": m.max_seq_len,
+            "rms_norm_eps": norm_opts["eps"],
+            "tie_word_embeddings": m.tie_embeddings,
+            "initializer_range": m.init_std,
+            "attention_bias": bool(qkv_bias),
+            ("hidden_act" if mt == "gemma" else "hidden_activation"): HF_GELU[
+                ffn_opts["approximate"]
+            ],
+            **hf_rope(rs),
+        }
+        caps = {part(rs, "attention", j)[1].get("softcap") for j in range(m.n_layers)}
+        if mt == "gemma":
+            if m.attn_scale is not None or m.logit_softcap is not None or caps != {None}:
+                raise Refused("a softmax scale or soft-capping: Gemma has neither (Gemma 2 has)")
+            cfg.update(layers_of.hf_windows(rs, mt))
+            return cfg
+        if len(caps) > 1:
+            raise Refused("attention soft-capping differs between layers")
+        cfg.update(
+            query_pre_attn_scalar=_integral((m.attn_scale or m.dim_head**-0.5) ** -2),
+            final_logit_softcapping=m.logit_softcap,
+            attn_logit_softcapping=caps.pop(),
+        )
+        cfg.update(layers_of.hf_windows(rs, mt))
+        return cfg
+
+
+def _integral(x: float) -> float | int:
+    return round(x) if math.isclose(x, round(x), rel_tol=1e-12) else x
+
+
+FAMILY = Gemma()

@@ -1,0 +1,40 @@
+"""Parity with transformers for Gemma and Gemma 2 (random small configs, fp32, see
+hf_parity): √d embedding scale, (1 + w) RMSNorm, tanh-GELU GeGLU, MQA; Gemma 2's sandwich
+norms, soft-capping, query_pre_attn_scalar and alternating sliding windows."""
+
+from __future__ import annotations
+
+import pytest
+
+from llmkit.errors import LlmkitError
+from llmkit.interop.convert import hf_to_llmkit
+from tests.interop.hf_parity import check_family, make_hf
+
+SMALL = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=1, head_dim=32, vocab_size=97,
+             max_position_embeddings=128)  # fmt: skip
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "flash", "dense"])
+def test_gemma_mqa(tmp_path, attention):
+    check_family(tmp_path, "GemmaConfig", "GemmaForCausalLM", attention=attention, **SMALL)
+
+
+def test_gemma2_softcaps_scale_and_alternating_windows(tmp_path):
+    cfg = SMALL | dict(num_hidden_layers=3, num_key_value_heads=2, sliding_window=6,
+                       query_pre_attn_scalar=24, attn_logit_softcapping=5.0,
+                       final_logit_softcapping=3.0)  # fmt: skip
+    check_family(tmp_path, "Gemma2Config", "Gemma2ForCausalLM", **cfg)
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "flash"])
+def test_gemma2_without_attention_softcap_uses_any_kernel(tmp_path, attention):
+    cfg = SMALL | dict(sliding_window=6, attn_logit_softcapping=None)
+    check_family(tmp_path, "Gemma2Config", "Gemma2ForCausalLM", attention=attention, **cfg)
+
+
+def test_bidirectional_gemma_is_refused(tmp_path):
+    make_hf("GemmaConfig", "GemmaForCausalLM", tmp_path, use_bidirectional_attention=True,
+            **SMALL)  # fmt: skip
+    with pytest.raises(LlmkitError, match="bidirectional"):
+        hf_to_llmkit(tmp_path)
