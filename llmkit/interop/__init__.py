@@ -1,7 +1,8 @@
 """Hugging Face interoperability: checkpoints in (``llmkit import-hf``) and out
 (``llmkit export-hf``), one module per architecture family, proven by logit parity.
 
-- :mod:`~llmkit.interop.convert`: in memory (:func:`hf_to_llmkit`, :func:`llmkit_to_hf`);
+- :mod:`~llmkit.interop.convert`: in memory (:func:`hf_to_llmkit`, :func:`llmkit_to_hf`,
+  :func:`to_transformers`);
 - :mod:`~llmkit.interop.runs`: between directories (:func:`import_hf`, :func:`export_hf`);
 - :mod:`~llmkit.interop.family`: what a family provides; :mod:`~llmkit.interop.families`;
 - :mod:`~llmkit.interop.mapping`: tensor rules; :mod:`~llmkit.interop.hf_files`: files;
@@ -12,11 +13,18 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["export_hf", "hf_to_llmkit", "import_hf", "llmkit_to_hf", "supported_model_types"]
+__all__ = [
+    "export_hf",
+    "hf_to_llmkit",
+    "import_hf",
+    "llmkit_to_hf",
+    "supported_model_types",
+    "to_transformers",
+]
 
 
 def __getattr__(name: str) -> Any:  # lazy: importing the package costs no torch
-    if name in ("hf_to_llmkit", "llmkit_to_hf", "supported_model_types"):
+    if name in ("hf_to_llmkit", "llmkit_to_hf", "supported_model_types", "to_transformers"):
         from llmkit.interop import convert
 
         return getattr(convert, name)

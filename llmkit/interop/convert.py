@@ -65,7 +65,20 @@ def model_table(cfg: dict[str, Any], attention: str = "sdpa") -> dict[str, Any]:
     table = family_for(cfg.get("model_type")).spec(cfg)
     if attention != "sdpa" and table.get("attention", {}).get("name") == "sdpa":
         table["attention"] = {"name": attention}
+    position = table.get("position", {})
+    if position.get("scaling") == "dynamic":
+        # HF's max_position_embeddings is dynamic NTK's original context, which the model is
+        # meant to exceed: llmkit's context is the extended one (generation past max_seq_len
+        # would otherwise restart its cache from the last half of the tokens)
+        table["max_seq_len"] = int(position["original_max_seq_len"] * position["scaling_factor"])
     return table
+
+
+def _dynamic_context(cfg: dict[str, Any], rs: ResolvedSpec) -> None:
+    """HF's max_position_embeddings of a dynamic-NTK model is the original context."""
+    opts = rs.layers[0].get("position")
+    if opts is not None and getattr(opts.options, "scaling", None) == "dynamic":
+        cfg["max_position_embeddings"] = opts.options.original_max_seq_len
 
 
 @dataclass
@@ -203,7 +216,8 @@ def hf_config_for(rs: ResolvedSpec, prefer: str | None = None) -> tuple[Family, 
         except Refused as exc:
             reasons.append(f"{type(fam).__name__.lower()}: {exc}")
             continue
-        back = resolve({"model": fam.spec(copy.deepcopy(cfg))})
+        _dynamic_context(cfg, rs)
+        back = resolve({"model": model_table(copy.deepcopy(cfg))})
         diff = _differences(_comparable(rs), _comparable(back))
         if diff:
             reasons.append(f"{cfg['model_type']}: would change {diff[0]}")
@@ -225,3 +239,20 @@ def llmkit_to_hf(
     cfg["architectures"] = [fam.architectures[cfg["model_type"]]]
     cfg["torch_dtype"] = str(dtype or next(iter(tensors.values())).dtype).removeprefix("torch.")
     return cfg, tensors
+
+
+def to_transformers(model: nn.Module, rs: ResolvedSpec | None = None) -> nn.Module:
+    """A ``transformers`` model (eval mode) holding an llmkit model's weights, in memory."""
+    import transformers
+
+    cfg, tensors = llmkit_to_hf(model, rs if rs is not None else model.spec)
+    cfg = {k: v for k, v in cfg.items() if k not in ("architectures", "torch_dtype")}
+    config = transformers.AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+    hf = transformers.AutoModelForCausalLM.from_config(config)
+    missing, unexpected = hf.load_state_dict(tensors, strict=False)
+    tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    left = set(missing) - tied - {n for n, _ in hf.named_buffers()}
+    if left or unexpected:
+        raise LlmkitError(f"transformers' model does not take {sorted(left or unexpected)[0]!r}")
+    hf.tie_weights()
+    return hf.eval()

@@ -62,3 +62,30 @@ def test_qwen2_moe_gated_shared_expert(tmp_path):
     cfg = SMALL | dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
                        shared_expert_intermediate_size=40)  # fmt: skip
     check_family(tmp_path, "Qwen2MoeConfig", "Qwen2MoeForCausalLM", **cfg)
+
+
+ROPE_SCALING = {
+    "llama3": dict(rope_type="llama3", factor=4.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                   original_max_position_embeddings=16),
+    "yarn": dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=16),
+    "linear": dict(rope_type="linear", factor=2.0),
+    "longrope": dict(rope_type="longrope", original_max_position_embeddings=16,
+                     short_factor=[1.0 + i / 16 for i in range(8)],
+                     long_factor=[1.5 + i / 8 for i in range(8)]),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", sorted(ROPE_SCALING))
+def test_llama_rope_scaling_past_the_original_context(tmp_path, kind):
+    # prompts of 19 tokens + 32 new ones cross the original context of 16
+    params = {"rope_theta": 10000.0, **ROPE_SCALING[kind]}
+    cfg = SMALL | dict(max_position_embeddings=64, rope_parameters=params)
+    check_family(tmp_path, "LlamaConfig", "LlamaForCausalLM", lengths=(19, 5, 12), **cfg)
+
+
+def test_llama_dynamic_ntk_while_the_sequence_grows(tmp_path):
+    # HF's dynamic NTK takes max_position_embeddings as the original context: 24 here, which
+    # the prompts (19) stay under and generation (19 + 32) passes; llmkit's context is 3 × 24
+    params = {"rope_theta": 10000.0, "rope_type": "dynamic", "factor": 3.0}
+    cfg = SMALL | dict(max_position_embeddings=24, rope_parameters=params)
+    check_family(tmp_path, "LlamaConfig", "LlamaForCausalLM", lengths=(19, 5, 12), **cfg)

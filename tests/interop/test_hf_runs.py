@@ -31,9 +31,7 @@ def save_tokenizer(path: Path) -> int:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tok.train_from_iterator(TEXT.splitlines(), trainer)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<|endoftext|>", bos_token="<s>"
-    )
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", bos_token="<s>")
     fast.save_pretrained(path)
     return tok.get_vocab_size()
 
@@ -80,9 +78,13 @@ def test_generate_matches_transformers_greedy(run, checkpoint, capsys):
     hf_tok = AutoTokenizer.from_pretrained(checkpoint[0])
     prompt = "def f3(x):"
     ids = hf_tok(prompt, add_special_tokens=False, return_tensors="pt").input_ids
-    want = checkpoint[1].generate(
-        ids, max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0
-    )[0, ids.shape[1] :].tolist()
+    want = (
+        checkpoint[1]
+        .generate(ids, max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0)[
+            0, ids.shape[1] :
+        ]
+        .tolist()
+    )
     capsys.readouterr()
     argv = ["generate", str(run), "--prompt", prompt, "--max-new-tokens", "12"]
     assert main([*argv, "--temperature", "0", "--ignore-eos", "--json"]) == 0
@@ -110,11 +112,11 @@ def test_fine_tuning_starts_from_the_imported_run(run, tmp_path):
     spec = tmp_path / "finetune.toml"
     spec.write_text(
         f'extends = "{run / "spec.yaml"}"\n'
-        "[data]\nsource = { name = \"text\", paths = [\"" + str(corpus) + '"] }\n'
+        '[data]\nsource = { name = "text", paths = ["' + str(corpus) + '"] }\n'
         "block_size = 32\n"
         f'[train]\ninit_from = "{run}"\nmax_steps = 2\nbatch_size = 2\n'
         "eval_interval = 2\neval_batches = 1\nsample_tokens = 0\nplot = false\n"
-        "[schedule]\nname = \"constant\"\n"
+        '[schedule]\nname = "constant"\n'
     )
     out = tmp_path / "ft"
     assert main(["train", str(spec), "--out", str(out), "--no-progress"]) == 0
@@ -136,9 +138,10 @@ def test_export_loads_in_transformers_bit_for_bit(run, checkpoint, tmp_path):
     with torch.no_grad():
         assert torch.equal(back(ids).logits, checkpoint[1](ids).logits)
     tok, ref = AutoTokenizer.from_pretrained(out), AutoTokenizer.from_pretrained(checkpoint[0])
-    assert tok("def g(y): return y", add_special_tokens=False).input_ids == ref(
-        "def g(y): return y", add_special_tokens=False
-    ).input_ids
+    assert (
+        tok("def g(y): return y", add_special_tokens=False).input_ids
+        == ref("def g(y): return y", add_special_tokens=False).input_ids
+    )
     assert tok.eos_token == "<|endoftext|>" and back.config.eos_token_id == 0
 
 
