@@ -90,8 +90,9 @@ def our_greedy(model, batch: list[list[int]], n: int) -> list[list[int]]:
 
 def check_family(tmp_path: Path, config_cls: str, model_cls: str, *, attention="sdpa",
                  new_tokens: int = 32, lengths=(7, 3, 12),
-                 unkept_rows: dict[str, int] | None = None, **config: Any) -> None:  # fmt: skip
-    """The whole parity check for one config (see the module doc).
+                 unkept_rows: dict[str, int] | None = None,
+                 **config: Any) -> dict[str, float]:  # fmt: skip
+    """The whole parity check for one config (see the module doc); the gaps measured.
 
     ``unkept_rows``: HF tensor → how many of its leading rows llmkit does not hold (OPT's
     two position-offset rows, which transformers never reads for a real token): export
@@ -105,10 +106,12 @@ def check_family(tmp_path: Path, config_cls: str, model_cls: str, *, attention="
     ours = imported.model
     vocab = config["vocab_size"]
     ids = torch.tensor(prompts(vocab, lengths=(19, 19)))
-    assert max_logit_gap(hf_model, ours, ids) <= TOL
+    gaps = {"logits": max_logit_gap(hf_model, ours, ids)}
+    assert gaps["logits"] <= TOL
     batch = prompts(vocab, lengths)
     padded, mask = left_padded(batch)
-    assert max_logit_gap(hf_model, ours, padded, mask) <= TOL
+    gaps["left_padded"] = max_logit_gap(hf_model, ours, padded, mask)
+    assert gaps["left_padded"] <= TOL
     assert our_greedy(ours, batch, new_tokens) == hf_greedy(hf_model, batch, new_tokens)
 
     cfg, tensors = llmkit_to_hf(ours, imported.spec)
@@ -124,7 +127,9 @@ def check_family(tmp_path: Path, config_cls: str, model_cls: str, *, attention="
     hf_files.write_weights(tensors, out)
     back = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     assert type(back).__name__ == model_cls
-    assert max_logit_gap(back, ours, padded, mask) <= TOL
+    gaps["exported"] = max_logit_gap(back, ours, padded, mask)
+    assert gaps["exported"] <= TOL
+    return gaps
 
 
 @torch.no_grad()
