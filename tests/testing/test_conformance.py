@@ -37,6 +37,11 @@ BUILTIN_VARIANTS = [
     ("attention", "sliding_window", {"window": 40}),  # several query chunks
     ("attention", "dense", {"dropout": 0.1}),
     ("attention", "sdpa", {"dropout": 0.1}),
+    ("attention", "dense", {"window": 3}),
+    ("norm", "rmsnorm", {"offset": 1.0}),
+    ("position", "alibi", {"max_bias": 16.0}),
+    ("block", "sandwich", {"input_norms": False}),
+    ("qk_transform", "rmsnorm", {"offset": 1.0, "eps": 1e-5}),
     ("position", "rope", {"rotary_fraction": 0.5}),
     ("position", "rope", {"scaling": "ntk", "scaling_factor": 4.0}),
     ("position", "rope", {"scaling": "linear", "scaling_factor": 2.0}),
