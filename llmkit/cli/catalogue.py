@@ -54,7 +54,7 @@ def register_commands(register: Callable[..., Any]) -> None:
 
 
 def configure_list(p: argparse.ArgumentParser) -> None:
-    p.add_argument("kind", nargs="?", help="a component kind (default: every kind)")
+    p.add_argument("kind", nargs="?", help="a component kind (default: every kind), or 'presets'")
     p.add_argument("pattern", nargs="?", help="name pattern, e.g. 'sw*'")
 
 
@@ -62,6 +62,8 @@ def run_list(args: argparse.Namespace) -> int:
     reg = registry()
     warn_failures(reg)
     kind, pattern = args.kind, args.pattern
+    if kind in PRESETS and kind not in reg.kinds:
+        return list_presets(pattern)
     if (
         kind is not None
         and kind not in reg.kinds
@@ -80,6 +82,41 @@ def run_list(args: argparse.Namespace) -> int:
             out.add_row(*key.split(".", 1), " & ".join(conflict.providers), "[red]CONFLICT[/]")
     console().print(out)
     return 0 if rows else 1
+
+
+#: ``llmkit list presets``: the spec presets shipped with llmkit, not a component kind.
+PRESETS = ("presets", "preset")
+
+
+def list_presets(pattern: str | None) -> int:
+    """The presets (``extends = "<name>"``, ``llmkit info <name>``): name, what each extends
+    and its file's leading comment up to the first closing parenthesis (the model and its
+    source)."""
+    import fnmatch
+
+    from llmkit.spec.files import presets, read_spec_file
+
+    out = table("preset", "extends", "summary")
+    shown = 0
+    for name, path in sorted(presets().items()):
+        if pattern is not None and not fnmatch.fnmatchcase(name, pattern):
+            continue
+        parent = read_spec_file(path).get("extends")
+        out.add_row(name, parent if isinstance(parent, str) else "-", _leading_comment(path))
+        shown += 1
+    console().print(out)
+    return 0 if shown else 1
+
+
+def _leading_comment(path: Any) -> str:
+    lines = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if not line.startswith("#"):
+            break
+        lines.append(line.lstrip("#").strip())
+    text = " ".join(lines)
+    end = text.find(")")
+    return text[: end + 1] if end >= 0 else text
 
 
 # -- show -----------------------------------------------------------------------------------------

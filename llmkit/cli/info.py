@@ -1,15 +1,18 @@
 """``llmkit info``: the architecture layer by layer, parameters, FLOPs and memory.
 
 The model is built on the ``meta`` device, so even a 7B spec is described instantly without
-allocating memory. The per-layer table has one column per per-layer kind in the registry,
+allocating memory. The argument is a spec file or, when no such file exists, a preset's name
+(``llmkit info mistral-7b``). The per-layer table has one column per per-layer kind in the registry,
 so a kind a plugin declares appears without edits here.
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from llmkit.cli.common import (
@@ -24,6 +27,7 @@ from llmkit.cli.common import (
     registry,
     table,
 )
+from llmkit.errors import LlmkitError
 
 
 def register_commands(register: Callable[..., Any]) -> None:
@@ -36,7 +40,7 @@ def register_commands(register: Callable[..., Any]) -> None:
 
 
 def configure_info(p: argparse.ArgumentParser) -> None:
-    p.add_argument("spec")
+    p.add_argument("spec", help="a spec file, or a preset's name (e.g. gpt2, llama-3.2-1b)")
     add_set(p)
     p.add_argument(
         "--batch-size", type=at_least(1), default=8, help="batch for the memory estimate"
@@ -65,8 +69,30 @@ def layer_table(rs: Any, slots: list[str]) -> tuple[list[str], list[tuple[str, .
     return [slots[i] for i in keep], out
 
 
+def spec_source(arg: str) -> str:
+    """The spec file ``arg`` names: the file itself when it exists, else the preset of that
+    name. A name that is neither is a one-line error listing the presets; a path (with a
+    directory or a spec file's suffix) is left to the loader's "spec file not found"."""
+    path = Path(arg)
+    if path.is_file():
+        return arg
+    from llmkit.spec.files import presets
+
+    known = presets()
+    if arg in known:
+        return str(known[arg])
+    if len(path.parts) > 1 or path.suffix.lower() in (".toml", ".yaml", ".yml"):
+        return arg
+    names = sorted(known)
+    close = difflib.get_close_matches(arg, names, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    raise LlmkitError(
+        f"no spec file or preset named {arg!r}{hint}; presets: {', '.join(names) or 'none'}"
+    )
+
+
 def run_info(args: argparse.Namespace) -> int:
-    rs = load(args.spec, args.set)
+    rs = load(spec_source(args.spec), args.set)
     model = build_on_meta(rs)
     kinds = list(registry().kinds.values())
     m = rs.model

@@ -177,7 +177,11 @@ def newest_readable(
     damaged ``latest.json`` is noted in one line (the newest checkpoint is used)."""
     candidates = checkpoints.newest_first()
     if not candidates:
-        raise LlmkitError(f"{checkpoints.dir.parent}: no checkpoint to resume from")
+        run = checkpoints.dir.parent
+        raise LlmkitError(
+            f"{run}: no checkpoint to resume from; to train from its weights as a new run: "
+            f"llmkit train {run / 'spec.yaml'} --init-from {run} --out NEW_RUN"
+        )
     pointer = checkpoints.pointer_problem("latest")
     if pointer:
         log(f"note: {pointer}; using the newest checkpoint, {candidates[0].name}")

@@ -214,3 +214,8 @@ def test_export_compares_options_by_their_effect():
     )  # fmt: skip
     _, cfg = hf_config_for(rs)
     assert cfg["model_type"] == "llama" and cfg["intermediate_size"] == 96
+
+
+def test_resume_of_an_imported_run_says_how_to_start_from_it(run, capsys):
+    err = one_line_error(capsys, ["train", "--resume", str(run)])
+    assert "no checkpoint to resume from" in err and f"--init-from {run}" in err
