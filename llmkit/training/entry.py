@@ -9,6 +9,7 @@ from pathlib import Path
 from llmkit.errors import LlmkitError, SpecError
 from llmkit.model import build_problems
 from llmkit.runs import default_run_dir, open_run
+from llmkit.runs.checkpoints import Checkpoints
 from llmkit.spec import load_spec
 from llmkit.training import resume as resume_mod
 from llmkit.training.strategy import ParallelStrategy
@@ -35,6 +36,8 @@ def train(
         run = open_run(run_dir)
         if run.checkpoint is not None:
             raise LlmkitError(f"{run_dir} is a checkpoint; resume its run: --resume {run.dir}")
+        if not Checkpoints(run.dir).newest_first():  # before any data is read
+            raise resume_mod.nothing_to_resume(run.dir)
         rs = run.resolve(overrides or [])
         if overrides:  # against the saved spec as written, not resolved again
             resume_mod.check_same_optimizer(run.raw, rs)

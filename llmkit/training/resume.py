@@ -168,6 +168,14 @@ def _check_rng(rng: Any, path: Path) -> None:
         raise DamagedCheckpoint(f"{path}: rng {problem}")
 
 
+def nothing_to_resume(run: Path) -> LlmkitError:
+    """The error for a run without checkpoints (one that never saved, or an imported one)."""
+    return LlmkitError(
+        f"{run}: no checkpoint to resume from; to train from its weights as a new run: "
+        f"llmkit train {run / 'spec.yaml'} --init-from {run} --out NEW_RUN"
+    )
+
+
 def newest_readable(
     checkpoints: Checkpoints, strategy: ParallelStrategy, log: Callable[[str], None]
 ) -> tuple[Path, dict[str, Any], dict[str, Any] | None]:
@@ -177,11 +185,7 @@ def newest_readable(
     damaged ``latest.json`` is noted in one line (the newest checkpoint is used)."""
     candidates = checkpoints.newest_first()
     if not candidates:
-        run = checkpoints.dir.parent
-        raise LlmkitError(
-            f"{run}: no checkpoint to resume from; to train from its weights as a new run: "
-            f"llmkit train {run / 'spec.yaml'} --init-from {run} --out NEW_RUN"
-        )
+        raise nothing_to_resume(checkpoints.dir.parent)
     pointer = checkpoints.pointer_problem("latest")
     if pointer:
         log(f"note: {pointer}; using the newest checkpoint, {candidates[0].name}")

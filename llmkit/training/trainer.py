@@ -132,6 +132,7 @@ class Trainer:
             init is not None
             and not t.init_resize_vocab
             and self.tokenizer.vocab_size < self.rs.model.vocab_size
+            and _embedding_rows(init.weights) == self.rs.model.vocab_size
         )
         if self.tokenizer.vocab_size != self.rs.model.vocab_size and not padded:
             self.log(
@@ -568,3 +569,14 @@ class Trainer:
             if self.t.plot:
                 metrics_mod.plot_losses(history, self.run_dir / PLOT_FILE, self.rs.spec.name or "")
         return model
+
+
+def _embedding_rows(weights: Path) -> int | None:
+    """Rows of the token embedding in a weights file (its header only), if it has one."""
+    from llmkit.runs.checkpoints import weight_shapes
+
+    try:
+        shape = weight_shapes(weights).get("tok_emb.weight")
+    except (OSError, ValueError, LlmkitError):
+        return None
+    return shape[0] if shape else None
