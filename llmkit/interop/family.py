@@ -60,6 +60,38 @@ def need(cfg: dict[str, Any], key: str) -> Any:
     return cfg[key]
 
 
+def dimensions(cfg: dict[str, Any], max_positions: int) -> dict[str, Any]:
+    """llmkit's sizes from the config keys most families share (Llama's names);
+    ``max_positions`` when the config has no ``max_position_embeddings``."""
+    d, heads = need(cfg, "hidden_size"), need(cfg, "num_attention_heads")
+    return {
+        "vocab_size": need(cfg, "vocab_size"),
+        "d_model": d,
+        "n_layers": need(cfg, "num_hidden_layers"),
+        "n_heads": heads,
+        "n_kv_heads": cfg.get("num_key_value_heads") or heads,
+        "head_dim": cfg.get("head_dim") or d // heads,
+        "max_seq_len": cfg.get("max_position_embeddings", max_positions),
+        "init_std": cfg.get("initializer_range", 0.02),
+    }
+
+
+def hf_dimensions(rs: ResolvedSpec) -> dict[str, Any]:
+    """The config keys of :func:`dimensions`, and ``tie_word_embeddings``, for a spec."""
+    m = rs.model
+    return {
+        "vocab_size": m.vocab_size,
+        "hidden_size": m.d_model,
+        "num_hidden_layers": m.n_layers,
+        "num_attention_heads": m.n_heads,
+        "num_key_value_heads": m.kv_heads,
+        "head_dim": m.dim_head,
+        "max_position_embeddings": m.max_seq_len,
+        "initializer_range": m.init_std,
+        "tie_word_embeddings": m.tie_embeddings,
+    }
+
+
 def refuse_set(cfg: dict[str, Any], **unsupported: Any) -> None:
     """Refuse a config whose ``key`` is set to anything but its harmless value."""
     for key, harmless in unsupported.items():

@@ -17,7 +17,15 @@ import math
 from typing import Any, ClassVar
 
 from llmkit.interop import attention_layers as layers_of
-from llmkit.interop.family import Family, Refused, need, part, same_in_every_layer
+from llmkit.interop.family import (
+    Family,
+    Refused,
+    dimensions,
+    hf_dimensions,
+    need,
+    part,
+    same_in_every_layer,
+)
 from llmkit.interop.mapping import Rule, rows, same
 from llmkit.interop.rotary import hf_rope, rope_options
 from llmkit.spec import ResolvedSpec
@@ -47,20 +55,13 @@ class Gemma(Family):
             raise Refused("use_bidirectional_attention: llmkit's models are causal")
         bias = bool(cfg.get("attention_bias", False))
         model: dict[str, Any] = {
-            "vocab_size": need(cfg, "vocab_size"),
-            "d_model": d,
-            "n_layers": need(cfg, "num_hidden_layers"),
-            "n_heads": heads,
-            "n_kv_heads": cfg.get("num_key_value_heads") or heads,
-            "head_dim": head_dim,
-            "max_seq_len": cfg.get("max_position_embeddings", 8192),
+            **dimensions(cfg, 8192),
             "bias": False,
             "qkv_bias": bias,
             "attn_out_bias": bias,
             "tie_embeddings": bool(cfg.get("tie_word_embeddings", True)),
             "embedding_scale": "sqrt_d_model",
             "final_norm": True,
-            "init_std": cfg.get("initializer_range", 0.02),
             "block": {"name": "pre_norm" if mt == "gemma" else "sandwich"},
             "norm": {"name": "rmsnorm", "eps": cfg.get("rms_norm_eps", 1e-6), "offset": 1.0},
             "position": rope_options(cfg, head_dim),
@@ -151,17 +152,9 @@ class Gemma(Family):
         )
         cfg: dict[str, Any] = {
             "model_type": mt,
-            "vocab_size": m.vocab_size,
-            "hidden_size": m.d_model,
+            **hf_dimensions(rs),
             "intermediate_size": hidden,
-            "num_hidden_layers": m.n_layers,
-            "num_attention_heads": m.n_heads,
-            "num_key_value_heads": m.kv_heads,
-            "head_dim": m.dim_head,
-            "max_position_embeddings": m.max_seq_len,
             "rms_norm_eps": norm_opts["eps"],
-            "tie_word_embeddings": m.tie_embeddings,
-            "initializer_range": m.init_std,
             "attention_bias": bool(qkv_bias),
             ("hidden_act" if mt == "gemma" else "hidden_activation"): HF_GELU[
                 ffn_opts["approximate"]

@@ -21,6 +21,8 @@ from llmkit.interop.family import (
     Family,
     Refused,
     activation,
+    dimensions,
+    hf_dimensions,
     need,
     part,
     refuse_set,
@@ -60,19 +62,12 @@ class Llama(Family):
         eps = cfg.get("rms_norm_eps", 1e-6)
         attention_bias = bool(cfg.get("attention_bias", False))
         model: dict[str, Any] = {
-            "vocab_size": need(cfg, "vocab_size"),
-            "d_model": d,
-            "n_layers": need(cfg, "num_hidden_layers"),
-            "n_heads": heads,
-            "n_kv_heads": cfg.get("num_key_value_heads") or heads,
-            "head_dim": head_dim,
-            "max_seq_len": cfg.get("max_position_embeddings", 2048),
+            **dimensions(cfg, 2048),
             "bias": False,
             "qkv_bias": True if mt in QKV_BIAS else attention_bias,
             "attn_out_bias": False if mt in QKV_BIAS else attention_bias,
             "tie_embeddings": bool(cfg.get("tie_word_embeddings", TIED_DEFAULT[mt])),
             "final_norm": True,
-            "init_std": cfg.get("initializer_range", 0.02),
             "block": {"name": "pre_norm"},
             "norm": {"name": "rmsnorm", "eps": eps},
             "position": rope_options(cfg, head_dim),
@@ -183,16 +178,8 @@ class Llama(Family):
             mt = "llama"
         cfg: dict[str, Any] = {
             "model_type": mt,
-            "vocab_size": m.vocab_size,
-            "hidden_size": m.d_model,
-            "num_hidden_layers": m.n_layers,
-            "num_attention_heads": m.n_heads,
-            "num_key_value_heads": m.kv_heads,
-            "head_dim": m.dim_head,
-            "max_position_embeddings": m.max_seq_len,
+            **hf_dimensions(rs),
             "rms_norm_eps": norm_opts["eps"],
-            "tie_word_embeddings": m.tie_embeddings,
-            "initializer_range": m.init_std,
             "hidden_act": "silu",
             **hf_rope(rs),
         }

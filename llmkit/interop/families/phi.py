@@ -28,7 +28,9 @@ from llmkit.interop.family import (
     Family,
     Refused,
     activation,
+    dimensions,
     hf_activation,
+    hf_dimensions,
     need,
     same_in_every_layer,
 )
@@ -50,18 +52,11 @@ class Phi(Family):
         d, heads = need(cfg, "hidden_size"), need(cfg, "num_attention_heads")
         head_dim = cfg.get("head_dim") or d // heads
         return {
-            "vocab_size": need(cfg, "vocab_size"),
-            "d_model": d,
-            "n_layers": need(cfg, "num_hidden_layers"),
-            "n_heads": heads,
-            "n_kv_heads": cfg.get("num_key_value_heads") or heads,
-            "head_dim": head_dim,
-            "max_seq_len": cfg.get("max_position_embeddings", 2048),
+            **dimensions(cfg, 2048),
             "bias": True,
             "head_bias": True,
             "tie_embeddings": bool(cfg.get("tie_word_embeddings", False)),
             "final_norm": True,
-            "init_std": cfg.get("initializer_range", 0.02),
             "block": {"name": "parallel", "shared_norm": True},
             "norm": {"name": "layernorm", "eps": cfg.get("layer_norm_eps", 1e-5)},
             "position": rope_position(cfg, head_dim, 0.5),
@@ -115,18 +110,10 @@ class Phi(Family):
         act = ffn_opts["activation"]
         return {
             "model_type": "phi",
-            "vocab_size": m.vocab_size,
-            "hidden_size": m.d_model,
-            "num_hidden_layers": m.n_layers,
-            "num_attention_heads": m.n_heads,
-            "num_key_value_heads": m.kv_heads,
-            "head_dim": m.dim_head,
+            **hf_dimensions(rs),
             "intermediate_size": ffn_hidden_size(rs, ffn_opts),
             "hidden_act": "gelu_new" if act == "gelu_tanh" else hf_activation(act),
-            "max_position_embeddings": m.max_seq_len,
             "layer_norm_eps": eps,
-            "initializer_range": m.init_std,
-            "tie_word_embeddings": m.tie_embeddings,
             "qk_layernorm": False,
             **hf_rope_exact(rs),
         }

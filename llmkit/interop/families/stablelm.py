@@ -28,7 +28,14 @@ from llmkit.interop.families.neox import (
     plain_attention,
     rope_position,
 )
-from llmkit.interop.family import Family, Refused, need, same_in_every_layer
+from llmkit.interop.family import (
+    Family,
+    Refused,
+    dimensions,
+    hf_dimensions,
+    need,
+    same_in_every_layer,
+)
 from llmkit.interop.mapping import Rule, rows, same
 from llmkit.spec import ResolvedSpec
 
@@ -63,16 +70,9 @@ class StableLm(Family):
         head_dim = d // heads
         parallel = bool(cfg.get("use_parallel_residual", False))
         model = {
-            "vocab_size": need(cfg, "vocab_size"),
-            "d_model": d,
-            "n_layers": need(cfg, "num_hidden_layers"),
-            "n_heads": heads,
-            "n_kv_heads": cfg.get("num_key_value_heads") or heads,
-            "head_dim": head_dim,
-            "max_seq_len": cfg.get("max_position_embeddings", 4096),
+            **dimensions(cfg, 4096),
             "tie_embeddings": bool(cfg.get("tie_word_embeddings", False)),
             "final_norm": True,
-            "init_std": cfg.get("initializer_range", 0.02),
             "block": {"name": "parallel", "shared_norm": True}
             if parallel
             else {"name": "pre_norm"},
@@ -139,17 +139,10 @@ class StableLm(Family):
         plain_attention(rs, "StableLM")
         return {
             "model_type": "stablelm",
-            "vocab_size": m.vocab_size,
-            "hidden_size": m.d_model,
-            "num_hidden_layers": m.n_layers,
-            "num_attention_heads": m.n_heads,
-            "num_key_value_heads": m.kv_heads,
+            **hf_dimensions(rs),
             "intermediate_size": ffn_hidden_size(rs, ffn_opts),
             "hidden_act": act,
-            "max_position_embeddings": m.max_seq_len,
             "layer_norm_eps": eps,
-            "initializer_range": m.init_std,
-            "tie_word_embeddings": m.tie_embeddings,
             "use_qkv_bias": qkv_bias,
             "use_parallel_residual": parallel,
             "qk_layernorm": False,

@@ -31,7 +31,9 @@ from llmkit.interop.family import (
     Family,
     Refused,
     activation,
+    dimensions,
     hf_activation,
+    hf_dimensions,
     need,
     same_in_every_layer,
 )
@@ -53,17 +55,10 @@ class Starcoder2(Family):
             raise Refused(f"partial_rotary_factor={fraction}: Starcoder2 rotates the whole head")
         bias = bool(cfg.get("use_bias", True))
         model: dict[str, Any] = {
-            "vocab_size": need(cfg, "vocab_size"),
-            "d_model": d,
-            "n_layers": need(cfg, "num_hidden_layers"),
-            "n_heads": heads,
-            "n_kv_heads": cfg.get("num_key_value_heads") or heads,
-            "head_dim": head_dim,
-            "max_seq_len": cfg.get("max_position_embeddings", 4096),
+            **dimensions(cfg, 4096),
             "bias": bias,
             "tie_embeddings": bool(cfg.get("tie_word_embeddings", True)),
             "final_norm": True,
-            "init_std": cfg.get("initializer_range", 0.02),
             "block": {"name": "pre_norm"},
             "norm": with_bias(
                 {"name": "layernorm", "eps": cfg.get("norm_epsilon", 1e-5)}, bias, True
@@ -124,18 +119,10 @@ class Starcoder2(Family):
             raise Refused("partial rotary: Starcoder2 rotates the whole head")
         return {
             "model_type": "starcoder2",
-            "vocab_size": m.vocab_size,
-            "hidden_size": m.d_model,
-            "num_hidden_layers": m.n_layers,
-            "num_attention_heads": m.n_heads,
-            "num_key_value_heads": m.kv_heads,
-            "head_dim": m.dim_head,
+            **hf_dimensions(rs),
             "intermediate_size": ffn_hidden_size(rs, ffn_opts),
             "hidden_act": hf_activation(ffn_opts["activation"]),
-            "max_position_embeddings": m.max_seq_len,
             "norm_epsilon": eps,
-            "initializer_range": m.init_std,
-            "tie_word_embeddings": m.tie_embeddings,
             "use_bias": qkv_bias,
             **rope,
             **layers_of.hf_windows(rs, "starcoder2"),
