@@ -35,13 +35,16 @@ CASES = [
     ("Gemma", BASE | dict(num_key_value_heads=1, head_dim=32), {}),
     ("Gemma2", BASE | dict(head_dim=32, sliding_window=6, query_pre_attn_scalar=24,
                            attn_logit_softcapping=5.0, final_logit_softcapping=3.0), {}),
+    ("Gemma3Text", BASE | dict(num_hidden_layers=3, head_dim=32, sliding_window=6,
+                               layer_types=["sliding_attention"] * 2 + ["full_attention"],
+                               query_pre_attn_scalar=24), {}),
     ("GPTNeoX", MHA, {}),
     ("Phi", MHA, {}),
     ("StableLm", MHA, {}),
     ("Starcoder2", BASE | dict(sliding_window=8), {}),
     ("Mpt", dict(d_model=64, n_layers=2, n_heads=4, vocab_size=97, max_seq_len=64), {}),
 ]  # fmt: skip
-MODEL_CLASS = {"GPT2": "GPT2LMHeadModel"}
+MODEL_CLASS = {"GPT2": "GPT2LMHeadModel", "Gemma3Text": "Gemma3ForCausalLM"}
 
 
 def main() -> None:

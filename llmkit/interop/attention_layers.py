@@ -40,6 +40,9 @@ def hf_layer_windows(cfg: dict[str, Any]) -> list[int | None]:
         return [w if i >= first else None for i in range(n)]
     if mt in ALTERNATING:  # configs before layer_types: even layers slide
         return [w if i % 2 == 0 else None for i in range(n)]
+    if mt == "gemma3_text":  # configs before layer_types: every pattern-th layer is global
+        pattern = cfg.get("sliding_window_pattern", 6)
+        return [w if (i + 1) % pattern else None for i in range(n)]
     return [w] * n
 
 

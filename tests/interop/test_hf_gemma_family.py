@@ -38,3 +38,16 @@ def test_bidirectional_gemma_is_refused(tmp_path):
             **SMALL)  # fmt: skip
     with pytest.raises(LlmkitError, match="bidirectional"):
         hf_to_llmkit(tmp_path)
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "flash"])
+def test_gemma3_qk_norm_two_ropes_and_global_layers(tmp_path, attention):
+    # layers 0, 1 slide (window 6, local θ 1e4); layer 2 is global (θ 1e6, linear scaling)
+    rope = {
+        "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1_000_000.0},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+    }
+    cfg = SMALL | dict(num_hidden_layers=3, num_key_value_heads=2, sliding_window=6,
+                       layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+                       query_pre_attn_scalar=24, rope_parameters=rope)  # fmt: skip
+    check_family(tmp_path, "Gemma3TextConfig", "Gemma3ForCausalLM", attention=attention, **cfg)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 from typing import Any, ClassVar
 
+from llmkit.components.position.rope_scaling import rope_parameters_to_hf
 from llmkit.interop import attention_layers as layers_of
 from llmkit.interop.family import (
     Family,
@@ -33,6 +34,7 @@ from llmkit.spec import ResolvedSpec
 #: HF's GELU names → GeGLU's ``approximate``.
 GELU = {"gelu_pytorch_tanh": "tanh", "gelu_new": "tanh", "gelu_fast": "tanh", "gelu": "none"}
 HF_GELU = {"tanh": "gelu_pytorch_tanh", "none": "gelu"}
+GEMMA3 = "gemma3_text"
 
 
 class Gemma(Family):
@@ -40,6 +42,7 @@ class Gemma(Family):
     architectures: ClassVar[dict[str, str]] = {
         "gemma": "GemmaForCausalLM",
         "gemma2": "Gemma2ForCausalLM",
+        "gemma3_text": "Gemma3ForCausalLM",
     }
 
     # -- import -----------------------------------------------------------------------------
@@ -64,7 +67,7 @@ class Gemma(Family):
             "final_norm": True,
             "block": {"name": "pre_norm" if mt == "gemma" else "sandwich"},
             "norm": {"name": "rmsnorm", "eps": cfg.get("rms_norm_eps", 1e-6), "offset": 1.0},
-            "position": rope_options(cfg, head_dim),
+            "position": {} if mt == GEMMA3 else rope_options(cfg, head_dim),
             "ffn": {
                 "name": "geglu",
                 "hidden": need(cfg, "intermediate_size"),
@@ -72,11 +75,15 @@ class Gemma(Family):
                 "bias": False,
             },
         }
-        if mt == "gemma2":
+        if mt != "gemma":
             model["attn_scale"] = float(cfg.get("query_pre_attn_scalar", head_dim)) ** -0.5
             if cfg.get("final_logit_softcapping"):
                 model["logit_softcap"] = float(cfg["final_logit_softcapping"])
-        cap = cfg.get("attn_logit_softcapping") if mt == "gemma2" else None
+        if mt == GEMMA3:
+            eps = cfg.get("rms_norm_eps", 1e-6)
+            model["qk_transform"] = {"name": "rmsnorm", "eps": eps, "offset": 1.0}
+            _gemma3_rope(model, cfg, head_dim)
+        cap = cfg.get("attn_logit_softcapping") if mt != "gemma" else None
         if cap:
             windows = layers_of.hf_layer_windows(cfg)
             model["attention"] = {"name": "dense", "softcap": float(cap)}
@@ -86,6 +93,10 @@ class Gemma(Family):
                 model.setdefault("overrides", []).append({"layers": picked, "attention": kernel})
         else:
             layers_of.add_windows(model, cfg)
+        if mt == GEMMA3:  # the sliding layers' own RoPE, in the overrides that window them
+            local = model.pop("local_position")
+            for override in model.get("overrides", []):
+                override["position"] = local
         return model
 
     def rules(self, cfg: dict[str, Any]) -> list[Rule]:
@@ -113,6 +124,11 @@ class Gemma(Family):
                 same(us + "ffn.up_proj.weight", hf + "mlp.up_proj.weight"),
                 same(us + "ffn.out_proj.weight", hf + "mlp.down_proj.weight"),
             ]
+            if "qk_transform" in m:
+                out += [
+                    same(us + "attn.qk_transform.q_norm.weight", a + "q_norm.weight"),
+                    same(us + "attn.qk_transform.k_norm.weight", a + "k_norm.weight"),
+                ]
             if m["qkv_bias"]:
                 out += [
                     rows(us + "attn.qkv.bias", [a + f"{p}_proj.bias" for p in "qkv"], sizes),
@@ -139,8 +155,13 @@ class Gemma(Family):
         norm, norm_opts = same_in_every_layer(rs, "norm")
         if norm != "rmsnorm" or norm_opts.get("offset") != 1.0:
             raise Refused("norm: Gemma's is an RMSNorm with gain 1 + w (offset 1)")
-        if same_in_every_layer(rs, "qk_transform")[0]:
-            raise Refused("a qk_transform: Gemma and Gemma 2 have none")
+        qk, qk_opts = same_in_every_layer(rs, "qk_transform")
+        if qk:
+            if mt != "gemma2" or qk != "rmsnorm" or qk_opts["offset"] != 1.0:
+                raise Refused("a qk_transform: Gemma 3's is an RMSNorm with gain 1 + w")
+            if qk_opts["eps"] != norm_opts["eps"]:
+                raise Refused("the q/k norms' eps differs from the norms'")
+            mt = GEMMA3
         ffn, ffn_opts = same_in_every_layer(rs, "ffn")
         if ffn != "geglu":
             raise Refused(f"ffn {ffn!r}: Gemma's MLP is a GeGLU")
@@ -159,7 +180,7 @@ class Gemma(Family):
             ("hidden_act" if mt == "gemma" else "hidden_activation"): HF_GELU[
                 ffn_opts["approximate"]
             ],
-            **hf_rope(rs),
+            **(_hf_gemma3_rope(rs) if mt == GEMMA3 else hf_rope(rs)),
         }
         caps = {part(rs, "attention", j)[1].get("softcap") for j in range(m.n_layers)}
         if mt == "gemma":
@@ -176,6 +197,39 @@ class Gemma(Family):
         )
         cfg.update(layers_of.hf_windows(rs, mt))
         return cfg
+
+
+def _gemma3_rope(model: dict[str, Any], cfg: dict[str, Any], head_dim: int) -> None:
+    """Gemma 3's two RoPEs: ``full_attention`` layers' (θ 1e6, maybe scaled) as the model's
+    position, ``sliding_attention`` layers' (θ 1e4) as ``local_position`` for their overrides.
+    transformers 5 keeps them in ``rope_parameters`` by layer type; older configs have
+    ``rope_theta`` + ``rope_scaling`` and ``rope_local_base_freq``."""
+    params = cfg.get("rope_parameters") or {}
+    full = dict(params.get("full_attention") or {"rope_type": "default"})
+    local = dict(params.get("sliding_attention") or {"rope_type": "default"})
+    if not params:
+        full |= cfg.get("rope_scaling") or {}
+    full.setdefault("rope_theta", cfg.get("rope_theta", 1_000_000.0))
+    local.setdefault("rope_theta", cfg.get("rope_local_base_freq", 10_000.0))
+    for name, table in (("position", full), ("local_position", local)):
+        model[name] = rope_options(
+            {"rope_parameters": table, "max_position_embeddings": model["max_seq_len"]}, head_dim
+        )
+
+
+def _hf_gemma3_rope(rs: ResolvedSpec) -> dict[str, Any]:
+    """``rope_parameters`` by layer type, each the same in all layers of its type."""
+    by_type: dict[str, dict[str, Any]] = {}
+    for j, w in enumerate(layers_of.windows(rs)):
+        kind = "sliding_attention" if w else "full_attention"
+        name, opts = part(rs, "position", j)
+        if name != "rope" or opts.get("pairing", "half") != "half":
+            raise Refused(f"position {name!r} in layer {j}: Gemma 3 rotates halves with RoPE")
+        if by_type.setdefault(kind, opts) != opts:
+            raise Refused(f"the {kind} layers' RoPE differs between layers")
+    by_type.setdefault("sliding_attention", {"theta": 10_000.0})
+    by_type.setdefault("full_attention", {"theta": 1_000_000.0})
+    return {"rope_parameters": {k: rope_parameters_to_hf(v) for k, v in by_type.items()}}
 
 
 def _integral(x: float) -> float | int:
