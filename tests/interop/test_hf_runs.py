@@ -219,3 +219,55 @@ def test_export_compares_options_by_their_effect():
 def test_resume_of_an_imported_run_says_how_to_start_from_it(run, capsys):
     err = one_line_error(capsys, ["train", "--resume", str(run)])
     assert "no checkpoint to resume from" in err and f"--init-from {run}" in err
+
+
+def test_sharded_safetensors_and_weights_only_bin_import_alike(checkpoint, tmp_path):
+    """Shards named by model.safetensors.index.json, and pytorch_model.bin (one file or
+    sharded with its index) read with weights_only, give the same model."""
+    from llmkit.interop.convert import hf_to_llmkit
+
+    src, hf_model = checkpoint
+    tensors = hf_files.read_weights(src)
+    names = sorted(tensors)
+    halves = [names[: len(names) // 2], names[len(names) // 2 :]]
+    config = (src / "config.json").read_text()
+
+    def sharded(kind: str) -> Path:
+        d = tmp_path / kind
+        d.mkdir()
+        (d / "config.json").write_text(config)
+        weight_map = {}
+        for i, part in enumerate(halves, 1):
+            if kind == "safetensors":
+                from safetensors.torch import save_file
+
+                name = f"model-0000{i}-of-00002.safetensors"
+                save_file({k: tensors[k].contiguous() for k in part}, str(d / name))
+            else:
+                name = f"pytorch_model-0000{i}-of-00002.bin"
+                torch.save({k: tensors[k] for k in part}, d / name)
+            weight_map |= dict.fromkeys(part, name)
+        index = "model.safetensors.index.json" if kind == "safetensors" else (
+            "pytorch_model.bin.index.json")  # fmt: skip
+        (d / index).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+        return d
+
+    single_bin = tmp_path / "single-bin"
+    single_bin.mkdir()
+    (single_bin / "config.json").write_text(config)
+    torch.save(tensors, single_bin / "pytorch_model.bin")
+    ids = torch.randint(0, 300, (1, 8))
+    with torch.no_grad():
+        want = hf_model(ids).logits
+        for d in (sharded("safetensors"), sharded("bin"), single_bin):
+            got = hf_to_llmkit(d).model(ids).logits
+            assert (got - want).abs().max() <= 1e-4, d.name
+
+
+def test_a_pickle_with_code_is_refused(checkpoint, tmp_path, capsys):
+    d = tmp_path / "evil"
+    d.mkdir()
+    (d / "config.json").write_text((checkpoint[0] / "config.json").read_text())
+    torch.save({"w": torch.zeros(1), "f": print}, d / "pytorch_model.bin")  # a callable
+    err = one_line_error(capsys, ["import-hf", str(d), str(tmp_path / "out")])
+    assert "pytorch_model.bin" in err and "weights only" in err
