@@ -71,7 +71,7 @@ def test_unknown_name_lists_what_exists_and_suggests_the_nearest():
 def test_wildcard_listing():
     reg = registry_with()
     assert [c.name for c in reg.list("attention", "s*")] == ["sdpa", "sliding_window"]
-    assert {c.kind for c in reg.list(None, "rms*")} == {"norm"}
+    assert {c.kind for c in reg.list(None, "rms*")} == {"norm", "qk_transform"}
     assert all(c.name.endswith("norm") for c in reg.list(None, "*norm"))
 
 

@@ -57,7 +57,7 @@ def grads(fn, x, w, dy, dtype):
 
 def plain(x, w):
     """The plain ``rmsnorm`` component's forward, with ``w`` as its weight."""
-    return RMSNorm.forward(SimpleNamespace(features=x.shape[-1], weight=w, eps=EPS), x)
+    return RMSNorm.forward(SimpleNamespace(features=x.shape[-1], weight=w, eps=EPS, offset=0.0), x)
 
 
 def test_in_interpreter_subprocess(rerun_in_interpreter):
