@@ -41,8 +41,9 @@ def test_head_bias_is_added_to_the_logits():
 
 def test_embedding_scale_multiplies_the_embeddings():
     ids = torch.randint(0, 50, (2, 6))
-    plain, scaled = model(position={"name": "none"}), model(
-        position={"name": "none"}, embedding_scale="sqrt_d_model"
+    plain, scaled = (
+        model(position={"name": "none"}),
+        model(position={"name": "none"}, embedding_scale="sqrt_d_model"),
     )
     scaled.load_state_dict(plain.state_dict())
     seen = {}
