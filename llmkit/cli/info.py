@@ -40,7 +40,9 @@ def register_commands(register: Callable[..., Any]) -> None:
 
 
 def configure_info(p: argparse.ArgumentParser) -> None:
-    p.add_argument("spec", help="a spec file, a run directory, or a preset's name (gpt2, llama-3.2-1b)")
+    p.add_argument(
+        "spec", help="a spec file, a run directory, or a preset's name (gpt2, llama-3.2-1b)"
+    )
     add_set(p)
     p.add_argument(
         "--batch-size", type=at_least(1), default=8, help="batch for the memory estimate"
@@ -71,8 +73,9 @@ def layer_table(rs: Any, slots: list[str]) -> tuple[list[str], list[tuple[str, .
 
 def spec_source(arg: str) -> str:
     """The spec file ``arg`` names: the file itself when it exists, a run directory's
-    spec.yaml, else the preset of that name. A name that is neither is a one-line error listing the presets; a path (with a
-    directory or a spec file's suffix) is left to the loader's "spec file not found"."""
+    spec.yaml, else the preset of that name. A name that is neither is a one-line error
+    listing the presets; a path (with a directory or a spec file's suffix) is left to the
+    loader's "spec file not found"."""
     path = Path(arg)
     if path.is_file():
         return arg
