@@ -22,14 +22,23 @@ ALTERNATING = ("gemma2",)
 EVERY_LAYER = ("mistral", "mixtral", "starcoder2")
 
 
+#: The families whose transformers models attend through a window at all.
+WINDOWED = (*OPT_IN, *EVERY_LAYER, "gemma2", "gemma3_text")
+#: Qwen MoE models window in their own ways (every layer; even layers): not mapped yet.
+UNMAPPED = ("qwen2_moe", "qwen3_moe")
+
+
 def hf_layer_windows(cfg: dict[str, Any]) -> list[int | None]:
-    """The window of each layer of an HF config (None: full attention)."""
-    n, mt = cfg["num_hidden_layers"], cfg["model_type"]
+    """The window of each layer of an HF config (None: full attention). Families whose
+    transformers model has no window ignore ``sliding_window``, as transformers does."""
+    n, mt = int(cfg["num_hidden_layers"]), cfg["model_type"]
     w = cfg.get("sliding_window")
     if mt in OPT_IN and not cfg.get("use_sliding_window"):
         w = None
-    if not w:
+    if not w or mt not in WINDOWED:
         return [None] * n
+    if mt in UNMAPPED:
+        raise Refused(f"use_sliding_window in a {mt} config: its windowing is not mapped yet")
     types = cfg.get("layer_types")
     if types:
         if len(types) != n:
@@ -82,6 +91,8 @@ def hf_windows(rs: ResolvedSpec, model_type: str) -> dict[str, Any]:
     if len(sizes) > 1:
         raise Refused(f"layers use different windows {sorted(sizes)}")
     (w,) = sizes
+    if model_type not in WINDOWED or model_type in UNMAPPED:
+        raise Refused(f"a sliding window: transformers' {model_type} attends in full")
     if model_type in EVERY_LAYER:
         if None in per_layer:
             raise Refused(f"{model_type} windows every layer; some layers here attend in full")

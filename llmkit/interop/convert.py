@@ -51,10 +51,14 @@ def supported_model_types() -> dict[str, str]:
     return {t: a for f in FAMILIES for t, a in f.architectures.items()}
 
 
+#: What a family's arithmetic on a malformed config.json raises (a string for a size, a zero).
+MALFORMED = (TypeError, ValueError, KeyError, IndexError, ZeroDivisionError, RuntimeError)
+
+
 def family_for(model_type: Any) -> Family:
     """The family that reads ``model_type``; a one-line error listing the supported ones."""
     for fam in FAMILIES:
-        if model_type in fam.architectures:
+        if isinstance(model_type, str) and model_type in fam.architectures:
             return fam
     known = ", ".join(sorted(t for f in FAMILIES for t in f.architectures))
     raise LlmkitError(f"model_type {model_type!r} is not supported (supported: {known})")
@@ -126,12 +130,21 @@ def hf_to_llmkit(hf_dir: str | Path, *, attention: str = "sdpa") -> Imported:
     d = Path(hf_dir).expanduser()
     cfg = hf_files.read_config(d)
     fam = family_for(cfg.get("model_type"))
-    raw, rs = _spec_for(cfg, d.name or "imported", attention)
-    tensors = hf_files.read_weights(d)
+    cfg = fam.defaults.get(cfg["model_type"], {}) | cfg
+    try:
+        raw, rs = _spec_for(cfg, d.name or "imported", attention)
+    except MALFORMED as exc:
+        what = f"{d / hf_files.CONFIG}: cannot be read as {cfg['model_type']}"
+        raise LlmkitError(f"{what} ({type(exc).__name__}: {exc})") from exc
+    tensors = _with_prefix(hf_files.read_weights(d), fam)
     dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in tensors.values()})
     tied = rs.model.tie_embeddings
     ignore = fam.ignore + (("lm_head.weight",) if tied else ())
-    ours = to_llmkit(fam.rules(cfg), tensors, ignore=ignore)
+    try:
+        ours = to_llmkit(fam.rules(cfg), tensors, ignore=ignore)
+    except MALFORMED as exc:  # tensors of other shapes than config.json says
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise LlmkitError(f"{d}: the weights do not fit config.json ({first})") from exc
     if tied:
         head = tensors.get("lm_head.weight")
         if head is not None and not torch.equal(head, ours["tok_emb.weight"]):
@@ -141,7 +154,11 @@ def hf_to_llmkit(hf_dir: str | Path, *, attention: str = "sdpa") -> Imported:
     _fill(model, {k: v.float() for k, v in ours.items()})
     model.eval()
     source_dtype = cfg.get("torch_dtype") or cfg.get("dtype") or (dtypes[0] if dtypes else "")
-    return Imported(raw, rs, model, cfg, str(source_dtype), fam.notes(cfg))
+    notes = fam.notes(cfg)
+    kernels = {plan.attention.name for plan in rs.layers}
+    if attention != "sdpa" and attention not in kernels:  # asked for, and nowhere used
+        notes.append(f"--attention {attention} has no effect: the layers use {sorted(kernels)}")
+    return Imported(raw, rs, model, cfg, str(source_dtype), notes)
 
 
 #: Kernels computing the same full causal attention; a window makes any of them windowed.
@@ -166,10 +183,21 @@ def _effective(x: dict[str, Any], d_model: int, bias: bool) -> dict[str, Any]:
         x["bias"] = bias
     if {"hidden", "multiplier", "multiple_of"} <= x.keys():
         x["hidden"] = ffn_hidden(d_model, x["hidden"], x.pop("multiplier"), x.pop("multiple_of"))
-    if isinstance(x.get("expert"), dict) and x.get("shared_hidden") is None:
-        hidden = _effective(x["expert"], d_model, bias)["hidden"]
-        x["shared_hidden"] = x.get("shared_experts", 0) * hidden
+    if isinstance(x.get("expert"), dict):  # a MoE: its shared width and renormalization
+        if x.get("shared_hidden") is None:
+            hidden = _effective(x["expert"], d_model, bias)["hidden"]
+            x["shared_hidden"] = x.get("shared_experts", 0) * hidden
+        if x.get("renormalize") is None:
+            x["renormalize"] = x.get("routing") != "softmax_topk"
     return x
+
+
+def _with_prefix(tensors: dict[str, torch.Tensor], fam: Family) -> dict[str, torch.Tensor]:
+    """Names as the ``*ForCausalLM`` model has them: a base model's checkpoint (``wte.weight``
+    for GPT-2's ``transformer.wte.weight``) gets the family's prefix."""
+    if any(k.startswith(fam.prefix) for k in tensors):
+        return tensors
+    return {(k if k.startswith(fam.head_names) else fam.prefix + k): v for k, v in tensors.items()}
 
 
 def _comparable(rs: ResolvedSpec) -> dict[str, Any]:
@@ -213,7 +241,7 @@ def hf_config_for(rs: ResolvedSpec, prefer: str | None = None) -> tuple[Family, 
     for fam in order:
         try:
             cfg = fam.hf_config(rs)
-        except Refused as exc:
+        except (Refused, *MALFORMED) as exc:
             reasons.append(f"{type(fam).__name__.lower()}: {exc}")
             continue
         _dynamic_context(cfg, rs)

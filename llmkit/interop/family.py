@@ -30,6 +30,15 @@ class Family(ABC):
     architectures: ClassVar[dict[str, str]] = {}
     #: Export asks families in ascending priority for a config that holds a spec.
     priority: int = 50
+    #: ``model_type`` → config values transformers' config class assumes when a key is
+    #: missing, where they differ from the family's usual ones.
+    defaults: ClassVar[dict[str, dict[str, Any]]] = {}
+    #: The base model's prefix in ``*ForCausalLM`` tensor names (transformers'
+    #: ``base_model_prefix`` + "."): a checkpoint saved from the base model (the hub's GPT-2
+    #: files) has names without it, which import adds back.
+    prefix: str = "model."
+    #: Tensors of the causal-LM head, outside the base model (never prefixed).
+    head_names: ClassVar[tuple[str, ...]] = ("lm_head.", "embed_out.")
     #: HF tensor name patterns that hold no weights (buffers): skipped on import.
     ignore: ClassVar[tuple[str, ...]] = ("*.rotary_emb.inv_freq",)
 

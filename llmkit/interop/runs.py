@@ -57,6 +57,11 @@ def import_hf(hf_dir: str | Path, out: str | Path, *, attention: str = "sdpa") -
     save_weights(imported.model, out / "model.safetensors")
     if tok is not None:
         write_run_tokenizer(tok, out)
+        if tok.adds_bos:
+            imported.notes.append(
+                f"transformers puts {tok.bos_token!r} before every text; llmkit adds no BOS: "
+                "begin prompts and data with it"
+            )
     else:
         imported.notes.append(f"{src} has no tokenizer files: the run has weights only")
     generation = src / hf_files.GENERATION_CONFIG

@@ -128,7 +128,7 @@ class Trainer:
         self.data, self.tokenizer = data, data.tokenizer
         # A run started from weights keeps their padded embedding (an imported checkpoint's
         # vocabulary is often rounded up past its tokenizer's).
-        padded = (
+        padded = self.resume or (  # a resumed run's saved spec already settled it
             init is not None
             and not t.init_resize_vocab
             and self.tokenizer.vocab_size < self.rs.model.vocab_size

@@ -51,3 +51,39 @@ def test_gemma3_qk_norm_two_ropes_and_global_layers(tmp_path, attention):
                        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
                        query_pre_attn_scalar=24, rope_parameters=rope)  # fmt: skip
     check_family(tmp_path, "Gemma3TextConfig", "Gemma3ForCausalLM", attention=attention, **cfg)
+
+
+def test_legacy_gelu_is_tanh_and_missing_gemma2_keys_take_transformers_defaults(tmp_path):
+    """Gemma's released configs say hidden_act "gelu" and transformers reads it as the tanh
+    GELU; a Gemma 2 config without soft-cap keys gets transformers' 50 / 30."""
+    import json
+
+    make_hf("GemmaConfig", "GemmaForCausalLM", tmp_path / "g1", **SMALL)
+    path = tmp_path / "g1" / "config.json"
+    path.write_text(json.dumps(json.loads(path.read_text()) | {"hidden_act": "gelu"}))
+    assert hf_to_llmkit(tmp_path / "g1").raw["model"]["ffn"]["approximate"] == "tanh"
+    make_hf("Gemma2Config", "Gemma2ForCausalLM", tmp_path / "g2", **SMALL)
+    path = tmp_path / "g2" / "config.json"
+    cfg = json.loads(path.read_text())
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        cfg.pop(key)
+    path.write_text(json.dumps(cfg))
+    model = hf_to_llmkit(tmp_path / "g2", attention="flash")
+    assert model.raw["model"]["logit_softcap"] == 30.0
+    assert model.spec.layers[1].attention.options.softcap == 50.0
+    assert any("--attention flash has no effect" in n for n in model.notes)
+
+
+def test_a_window_in_a_family_without_windows_is_ignored_as_transformers_does(tmp_path):
+    import json
+
+    import torch
+
+    hf = make_hf("GemmaConfig", "GemmaForCausalLM", tmp_path, **SMALL)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(json.loads(path.read_text()) | {"sliding_window": 4}))
+    imported = hf_to_llmkit(tmp_path)
+    assert {p.attention.name for p in imported.spec.layers} == {"sdpa"}
+    ids = torch.randint(0, 97, (1, 12))
+    with torch.no_grad():
+        assert (imported.model(ids).logits - hf(ids).logits).abs().max() <= 1e-4

@@ -122,6 +122,9 @@ def test_fine_tuning_starts_from_the_imported_run(run, tmp_path):
     assert main(["train", str(spec), "--out", str(out), "--no-progress"]) == 0
     assert (out / "model.safetensors").is_file()
     assert (out / "tokenizer.json").read_text() == (run / "tokenizer.json").read_text()
+    # the padded embedding (304 rows for 300 tokens) is kept, also when the run resumes
+    assert main(["train", "--resume", str(out), "--set", "train.max_steps=3", "--no-progress"]) == 0
+    assert "304" in (out / "spec.yaml").read_text()
 
 
 def test_export_loads_in_transformers_bit_for_bit(run, checkpoint, tmp_path):
@@ -271,3 +274,51 @@ def test_a_pickle_with_code_is_refused(checkpoint, tmp_path, capsys):
     torch.save({"w": torch.zeros(1), "f": print}, d / "pytorch_model.bin")  # a callable
     err = one_line_error(capsys, ["import-hf", str(d), str(tmp_path / "out")])
     assert "pytorch_model.bin" in err and "weights only" in err
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"num_attention_heads": 0},
+        {"vocab_size": -5},
+        {"num_hidden_layers": "2"},
+        {"model_type": ["llama"]},
+        {"intermediate_size": 97},  # the weights are 96 wide
+    ],
+)
+def test_a_malformed_config_is_one_line(checkpoint, tmp_path, capsys, change):
+    d = tmp_path / "bad"
+    d.mkdir()
+    config = json.loads((checkpoint[0] / "config.json").read_text()) | change
+    (d / "config.json").write_text(json.dumps(config))
+    (d / "model.safetensors").symlink_to(checkpoint[0] / "model.safetensors")
+    one_line_error(capsys, ["import-hf", str(d), str(tmp_path / "out")])
+
+
+@pytest.mark.parametrize(("config_cls", "base_cls", "causal_cls"), [
+    ("GPT2Config", "GPT2Model", "GPT2LMHeadModel"),
+    ("OPTConfig", "OPTModel", "OPTForCausalLM"),
+    ("LlamaConfig", "LlamaModel", "LlamaForCausalLM"),
+])  # fmt: skip
+def test_a_base_model_checkpoint_imports(tmp_path, config_cls, base_cls, causal_cls):
+    """The hub's GPT-2 files hold the base model's names (wte.weight, h.0...): import adds the
+    prefix transformers adds when it loads them into the causal-LM class."""
+    import transformers
+
+    from llmkit.interop.convert import hf_to_llmkit
+
+    small = {
+        "GPT2Config": dict(n_embd=32, n_layer=2, n_head=4, vocab_size=61, n_positions=32),
+        "OPTConfig": dict(hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=4,
+                          vocab_size=61, max_position_embeddings=32, word_embed_proj_dim=32),
+        "LlamaConfig": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                            num_attention_heads=4, vocab_size=61, tie_word_embeddings=True),
+    }[config_cls]  # fmt: skip
+    cfg = getattr(transformers, config_cls)(**small)
+    torch.manual_seed(0)
+    getattr(transformers, base_cls)(cfg).save_pretrained(tmp_path)
+    causal = getattr(transformers, causal_cls).from_pretrained(tmp_path).eval()
+    ids = torch.randint(0, 61, (1, 9))
+    with torch.no_grad():
+        gap = (hf_to_llmkit(tmp_path).model(ids).logits - causal(ids).logits).abs().max()
+    assert gap <= 1e-4

@@ -28,7 +28,8 @@ class RMSNormTriton(RMSNorm):
             # Imported lazily: only calls that run the kernel load it.
             from llmkit.kernels import rmsnorm as kernel
 
-            gain = self.weight + self.offset if self.offset else self.weight
+            # 1 + w in fp32 (a bf16 weight cannot hold it exactly), as the reference computes
+            gain = self.weight.float() + self.offset if self.offset else self.weight
             if kernel.supported(x, gain):
                 return kernel.rms_norm_triton(x, gain, self.eps)
         else:

@@ -45,6 +45,16 @@ class Gemma(Family):
         "gemma3_text": "Gemma3ForCausalLM",
     }
 
+    defaults: ClassVar[dict[str, dict[str, Any]]] = {
+        "gemma2": {
+            "attn_logit_softcapping": 50.0,
+            "final_logit_softcapping": 30.0,
+            "query_pre_attn_scalar": 256,
+            "sliding_window": 4096,
+        },
+        "gemma3_text": {"query_pre_attn_scalar": 256, "sliding_window": 4096},
+    }
+
     # -- import -----------------------------------------------------------------------------
     def spec(self, cfg: dict[str, Any]) -> dict[str, Any]:
         mt = cfg["model_type"]
@@ -54,6 +64,8 @@ class Gemma(Family):
         act = cfg.get(act_key) or "gelu_pytorch_tanh"
         if act not in GELU:
             raise Refused(f"{act_key} {act!r}: Gemma's MLP is a GeGLU")
+        if mt == "gemma" and act == "gelu":  # transformers reads the released configs' legacy
+            act = "gelu_pytorch_tanh"  # "gelu" as the tanh approximation Gemma was trained with
         if cfg.get("use_bidirectional_attention"):
             raise Refused("use_bidirectional_attention: llmkit's models are causal")
         bias = bool(cfg.get("attention_bias", False))
@@ -183,6 +195,8 @@ class Gemma(Family):
             **(_hf_gemma3_rope(rs) if mt == GEMMA3 else hf_rope(rs)),
         }
         caps = {part(rs, "attention", j)[1].get("softcap") for j in range(m.n_layers)}
+        if mt == "gemma" and ffn_opts["approximate"] != "tanh":
+            raise Refused("exact GELU: transformers' Gemma reads hidden_act 'gelu' as tanh GELU")
         if mt == "gemma":
             if m.attn_scale is not None or m.logit_softcap is not None or caps != {None}:
                 raise Refused("a softmax scale or soft-capping: Gemma has neither (Gemma 2 has)")

@@ -50,6 +50,7 @@ def first(cfg: dict[str, Any], *keys: str) -> Any:
 
 class GPT2(Family):
     priority = 5
+    prefix = "transformer."
     architectures: ClassVar[dict[str, str]] = {"gpt2": "GPT2LMHeadModel"}
     ignore = ("*.attn.bias", "*.attn.masked_bias")
 

@@ -53,6 +53,11 @@ class Llama(Family):
         "qwen2_moe": "Qwen2MoeForCausalLM",
     }
 
+    defaults: ClassVar[dict[str, dict[str, Any]]] = {
+        "mixtral": {"rms_norm_eps": 1e-5, "rope_theta": 1e6},
+        "mistral": {"sliding_window": 4096},
+    }
+
     # -- import -----------------------------------------------------------------------------
     def spec(self, cfg: dict[str, Any]) -> dict[str, Any]:
         mt = cfg["model_type"]
@@ -64,7 +69,7 @@ class Llama(Family):
         model: dict[str, Any] = {
             **dimensions(cfg, 2048),
             "bias": False,
-            "qkv_bias": True if mt in QKV_BIAS else attention_bias,
+            "qkv_bias": bool(cfg.get("qkv_bias", True)) if mt in QKV_BIAS else attention_bias,
             "attn_out_bias": False if mt in QKV_BIAS else attention_bias,
             "tie_embeddings": bool(cfg.get("tie_word_embeddings", TIED_DEFAULT[mt])),
             "final_norm": True,
@@ -185,6 +190,8 @@ class Llama(Family):
         }
         if mt not in QKV_BIAS:
             cfg["attention_bias"] = bool(qkv_bias)
+        elif mt == "qwen2_moe":
+            cfg["qkv_bias"] = bool(qkv_bias)
         if mt in QK_NORM and qk_opts.get("offset"):
             raise Refused("qk_transform rmsnorm with a gain offset (Gemma 3's form)")
         if moe:
@@ -210,8 +217,9 @@ class Llama(Family):
                     mlp_only_layers=dense,
                 )
                 if mt == "qwen2_moe":
-                    shared = ffn_opts["shared_hidden"] if ffn_opts["shared_experts"] else 0
-                    cfg["shared_expert_intermediate_size"] = shared
+                    n_shared = ffn_opts["shared_experts"]
+                    width = ffn_opts["shared_hidden"] or n_shared * hidden
+                    cfg["shared_expert_intermediate_size"] = width if n_shared else 0
         else:
             if ffn != "swiglu":
                 raise Refused(f"ffn {ffn!r}: this family has a SwiGLU MLP")

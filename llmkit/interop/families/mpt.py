@@ -71,6 +71,7 @@ REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
 
 class MPT(Family):
     priority = 30
+    prefix = "transformer."
     architectures: ClassVar[dict[str, str]] = {"mpt": "MptForCausalLM"}
     ignore = ()
 

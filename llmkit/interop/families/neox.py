@@ -163,6 +163,7 @@ def _fused_qkv(ours: str, theirs: str, heads: int) -> Rule:
 
 class GPTNeoX(Family):
     priority = 20
+    prefix = "gpt_neox."
     architectures: ClassVar[dict[str, str]] = {"gpt_neox": "GPTNeoXForCausalLM"}
     ignore = ("*.rotary_emb.inv_freq", "*.attention.bias", "*.attention.masked_bias")
 
