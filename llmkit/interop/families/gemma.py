@@ -16,7 +16,6 @@ from __future__ import annotations
 import math
 from typing import Any, ClassVar
 
-from llmkit.components.position.rope_scaling import rope_parameters_to_hf
 from llmkit.interop import attention_layers as layers_of
 from llmkit.interop.family import (
     Family,
@@ -28,7 +27,7 @@ from llmkit.interop.family import (
     same_in_every_layer,
 )
 from llmkit.interop.mapping import Rule, rows, same
-from llmkit.interop.rotary import hf_rope, rope_options
+from llmkit.interop.rotary import hf_rope, rope_options, rope_parameters_to_hf
 from llmkit.spec import ResolvedSpec
 
 #: HF's GELU names → GeGLU's ``approximate``.
