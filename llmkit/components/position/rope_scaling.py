@@ -1,5 +1,5 @@
-"""Rotary frequencies of the context-extension methods, their option checks, and the mapping
-to and from Hugging Face transformers' ``rope_parameters``.
+"""Rotary frequencies of the context-extension methods and their option checks (the mapping to
+and from transformers' ``rope_parameters`` is :mod:`llmkit.interop.rotary`).
 
 Each frequency function follows the matching one of transformers'
 ``modeling_rope_utils`` (``_compute_linear_scaling_rope_parameters``,
