@@ -151,7 +151,8 @@ def hf_to_llmkit(hf_dir: str | Path, *, attention: str = "sdpa") -> Imported:
             raise LlmkitError("tie_word_embeddings is set but lm_head differs from the embedding")
         ours["lm_head.weight"] = ours["tok_emb.weight"]
     model = build_model(rs)
-    _fill(model, {k: v.float() for k, v in ours.items()})
+    _fill(model, ours)  # copy_ casts into the fp32 parameters: no fp32 copy of the checkpoint
+    del tensors, ours
     model.eval()
     source_dtype = cfg.get("torch_dtype") or cfg.get("dtype") or (dtypes[0] if dtypes else "")
     notes = fam.notes(cfg)
