@@ -67,6 +67,26 @@ def mapped(ours: str, theirs: str, forward: Callable[[Tensor], Tensor], back: Ca
     return Rule(ours, (theirs,), lambda ts: forward(ts[0]), lambda t: [back(t)])
 
 
+def separate_qkv(ours: str, theirs: str, sizes: Sequence[int], *, bias: bool) -> list[Rule]:
+    """llmkit's fused ``{ours}.weight`` (and ``.bias``) from transformers' separate
+    ``{theirs}q_proj``, ``k_proj`` and ``v_proj`` (Llama's names, which most families share)."""
+    parts = ("weight", "bias") if bias else ("weight",)
+    return [rows(f"{ours}.{p}", [f"{theirs}{x}_proj.{p}" for x in "qkv"], sizes) for p in parts]
+
+
+def gated_mlp(ours: str, theirs: str, *, bias: bool) -> list[Rule]:
+    """A gated MLP's ``gate_proj``, ``up_proj`` and ``down_proj`` (transformers' names) as
+    llmkit's ``gate_proj``, ``up_proj`` and ``out_proj``."""
+    names = [("gate_proj", "gate_proj"), ("up_proj", "up_proj"), ("out_proj", "down_proj")]
+    parts = ("weight", "bias") if bias else ("weight",)
+    return [same(f"{ours}{a}.{p}", f"{theirs}{b}.{p}") for a, b in names for p in parts]
+
+
+def qk_norms(ours: str, theirs: str) -> list[Rule]:
+    """Per-head q/k norm gains (``{theirs}q_norm``) as the q/k transform's (``{ours}``)."""
+    return [same(f"{ours}{x}_norm.weight", f"{theirs}{x}_norm.weight") for x in "qk"]
+
+
 def _ignored(name: str, ignore: Iterable[str]) -> bool:
     return any(fnmatch.fnmatchcase(name, pattern) for pattern in ignore)
 

@@ -26,7 +26,7 @@ from llmkit.interop.family import (
     part,
     same_in_every_layer,
 )
-from llmkit.interop.mapping import Rule, rows, same
+from llmkit.interop.mapping import Rule, gated_mlp, qk_norms, same, separate_qkv
 from llmkit.interop.rotary import hf_rope, rope_options, rope_parameters_to_hf
 from llmkit.spec import ResolvedSpec
 
@@ -129,22 +129,14 @@ class Gemma(Family):
             a = hf + "self_attn."
             out += [same(us + f"{k}.weight", hf + f"{v}.weight") for k, v in norms.items()]
             out += [
-                rows(us + "attn.qkv.weight", [a + f"{p}_proj.weight" for p in "qkv"], sizes),
+                *separate_qkv(us + "attn.qkv", a, sizes, bias=m["qkv_bias"]),
                 same(us + "attn.out_proj.weight", a + "o_proj.weight"),
-                same(us + "ffn.gate_proj.weight", hf + "mlp.gate_proj.weight"),
-                same(us + "ffn.up_proj.weight", hf + "mlp.up_proj.weight"),
-                same(us + "ffn.out_proj.weight", hf + "mlp.down_proj.weight"),
+                *gated_mlp(us + "ffn.", hf + "mlp.", bias=False),
             ]
             if "qk_transform" in m:
-                out += [
-                    same(us + "attn.qk_transform.q_norm.weight", a + "q_norm.weight"),
-                    same(us + "attn.qk_transform.k_norm.weight", a + "k_norm.weight"),
-                ]
+                out += qk_norms(us + "attn.qk_transform.", a)
             if m["qkv_bias"]:
-                out += [
-                    rows(us + "attn.qkv.bias", [a + f"{p}_proj.bias" for p in "qkv"], sizes),
-                    same(us + "attn.out_proj.bias", a + "o_proj.bias"),
-                ]
+                out.append(same(us + "attn.out_proj.bias", a + "o_proj.bias"))
         out.append(same("norm_f.weight", "model.norm.weight"))
         if not m["tie_embeddings"]:
             out.append(same("lm_head.weight", "lm_head.weight"))

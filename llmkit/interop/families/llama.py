@@ -28,7 +28,7 @@ from llmkit.interop.family import (
     refuse_set,
     same_in_every_layer,
 )
-from llmkit.interop.mapping import Rule, experts, rows, same
+from llmkit.interop.mapping import Rule, experts, gated_mlp, qk_norms, same, separate_qkv
 from llmkit.interop.rotary import hf_rope, rope_options
 from llmkit.spec import ResolvedSpec
 
@@ -129,27 +129,20 @@ class Llama(Family):
         for i in range(m["n_layers"]):
             hf, us = f"model.layers.{i}.", f"layers.{i}."
             a = hf + "self_attn."
-            qkv = [a + f"{p}_proj.weight" for p in "qkv"]
             out += [
                 same(us + "norm1.weight", hf + "input_layernorm.weight"),
                 same(us + "norm2.weight", hf + "post_attention_layernorm.weight"),
-                rows(us + "attn.qkv.weight", qkv, [H * D, Hkv * D, Hkv * D]),
                 same(us + "attn.out_proj.weight", a + "o_proj.weight"),
+                *separate_qkv(us + "attn.qkv", a, [H * D, Hkv * D, Hkv * D], bias=m["qkv_bias"]),
             ]
-            if m["qkv_bias"]:
-                qkv_b = [a + f"{p}_proj.bias" for p in "qkv"]
-                out.append(rows(us + "attn.qkv.bias", qkv_b, [H * D, Hkv * D, Hkv * D]))
             if m["attn_out_bias"]:
                 out.append(same(us + "attn.out_proj.bias", a + "o_proj.bias"))
             if mt in QK_NORM:
-                out += [
-                    same(us + "attn.qk_transform.q_norm.weight", a + "q_norm.weight"),
-                    same(us + "attn.qk_transform.k_norm.weight", a + "k_norm.weight"),
-                ]
+                out += qk_norms(us + "attn.qk_transform.", a)
             if mt in MOE and i not in dense:
                 out += _moe_rules(cfg, hf, us)
             else:
-                out += _swiglu_rules(hf + "mlp.", us + "ffn.", bool(cfg.get("mlp_bias")))
+                out += gated_mlp(us + "ffn.", hf + "mlp.", bias=bool(cfg.get("mlp_bias")))
         out.append(same("norm_f.weight", "model.norm.weight"))
         if not m["tie_embeddings"]:
             out.append(same("lm_head.weight", "lm_head.weight"))
@@ -241,14 +234,6 @@ def _swiglu(cfg: dict[str, Any], hidden: int | None) -> dict[str, Any]:
     return {"name": "swiglu", "hidden": hidden, "bias": bool(cfg.get("mlp_bias", False))}
 
 
-def _swiglu_rules(hf: str, us: str, bias: bool) -> list[Rule]:
-    names = [("gate_proj", "gate_proj"), ("up_proj", "up_proj"), ("out_proj", "down_proj")]
-    out = [same(us + f"{a}.weight", hf + f"{b}.weight") for a, b in names]
-    if bias:
-        out += [same(us + f"{a}.bias", hf + f"{b}.bias") for a, b in names]
-    return out
-
-
 def _qwen_dense_layers(cfg: dict[str, Any]) -> list[int]:
     """Layers of a Qwen2/Qwen3-MoE model with a dense MLP (``mlp_only_layers``, and every layer
     whose index + 1 is not a multiple of ``decoder_sparse_step``)."""
@@ -270,7 +255,7 @@ def _moe_rules(cfg: dict[str, Any], hf: str, us: str) -> list[Rule]:
     x = moe + "experts.{e}."
     shared = []
     if cfg["model_type"] == "qwen2_moe" and cfg.get("shared_expert_intermediate_size"):
-        shared = _swiglu_rules(moe + "shared_expert.", us + "ffn.shared.", False)
+        shared = gated_mlp(us + "ffn.shared.", moe + "shared_expert.", bias=False)
         shared.append(same(us + "ffn.shared_gate.weight", moe + "shared_expert_gate.weight"))
     return [
         *shared,

@@ -53,7 +53,7 @@ from llmkit.interop.family import (
     need,
     same_in_every_layer,
 )
-from llmkit.interop.mapping import Rule, mapped, rows, same
+from llmkit.interop.mapping import Rule, mapped, same, separate_qkv
 from llmkit.spec import ResolvedSpec
 
 #: Rows of OPT's position table before position 0.
@@ -125,14 +125,13 @@ class OPT(Family):
             hf, us = f"{dec}layers.{i}.", f"layers.{i}."
             a = hf + "self_attn."
             out += [
-                rows(us + "attn.qkv.weight", [a + f"{p}_proj.weight" for p in "qkv"], [d] * 3),
                 same(us + "attn.out_proj.weight", a + "out_proj.weight"),
                 same(us + "ffn.in_proj.weight", hf + "fc1.weight"),
                 same(us + "ffn.out_proj.weight", hf + "fc2.weight"),
             ]
+            out += separate_qkv(us + "attn.qkv", a, [d] * 3, bias=bias)
             if bias:
                 out += [
-                    rows(us + "attn.qkv.bias", [a + f"{p}_proj.bias" for p in "qkv"], [d] * 3),
                     same(us + "attn.out_proj.bias", a + "out_proj.bias"),
                     same(us + "ffn.in_proj.bias", hf + "fc1.bias"),
                     same(us + "ffn.out_proj.bias", hf + "fc2.bias"),

@@ -34,7 +34,7 @@ from llmkit.interop.family import (
     need,
     same_in_every_layer,
 )
-from llmkit.interop.mapping import Rule, rows, same
+from llmkit.interop.mapping import Rule, same, separate_qkv
 from llmkit.spec import ResolvedSpec
 
 
@@ -77,9 +77,7 @@ class Phi(Family):
             hf, us = f"model.layers.{i}.", f"layers.{i}."
             a = hf + "self_attn."
             out += layernorm_rules(us + "norm1", hf + "input_layernorm")
-            for part in ("weight", "bias"):
-                qkv = [a + f"{p}_proj.{part}" for p in "qkv"]
-                out.append(rows(us + f"attn.qkv.{part}", qkv, sizes))
+            out += separate_qkv(us + "attn.qkv", a, sizes, bias=True)
             out += linear_rules(us + "attn.out_proj", a + "dense", True)
             out += linear_rules(us + "ffn.in_proj", hf + "mlp.fc1", True)
             out += linear_rules(us + "ffn.out_proj", hf + "mlp.fc2", True)

@@ -36,7 +36,7 @@ from llmkit.interop.family import (
     need,
     same_in_every_layer,
 )
-from llmkit.interop.mapping import Rule, rows, same
+from llmkit.interop.mapping import Rule, gated_mlp, same, separate_qkv
 from llmkit.spec import ResolvedSpec
 
 #: HF hidden_act → llmkit's gated MLP.
@@ -95,13 +95,9 @@ class StableLm(Family):
             out += layernorm_rules(us + "norm1", hf + "input_layernorm")
             if not parallel:
                 out += layernorm_rules(us + "norm2", hf + "post_attention_layernorm")
-            out.append(rows(us + "attn.qkv.weight", [a + f"{p}_proj.weight" for p in "qkv"], sizes))
-            if m.get("qkv_bias", False):
-                out.append(rows(us + "attn.qkv.bias", [a + f"{p}_proj.bias" for p in "qkv"], sizes))
+            out += separate_qkv(us + "attn.qkv", a, sizes, bias=m.get("qkv_bias", False))
             out += linear_rules(us + "attn.out_proj", a + "o_proj", False)
-            for ours, theirs in (("gate_proj", "gate_proj"), ("up_proj", "up_proj"),
-                                 ("out_proj", "down_proj")):  # fmt: skip
-                out += linear_rules(us + f"ffn.{ours}", hf + f"mlp.{theirs}", False)
+            out += gated_mlp(us + "ffn.", hf + "mlp.", bias=False)
         out += layernorm_rules("norm_f", "model.norm")
         if not m["tie_embeddings"]:
             out.append(same("lm_head.weight", "lm_head.weight"))

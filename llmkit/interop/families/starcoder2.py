@@ -37,7 +37,7 @@ from llmkit.interop.family import (
     need,
     same_in_every_layer,
 )
-from llmkit.interop.mapping import Rule, rows, same
+from llmkit.interop.mapping import Rule, same, separate_qkv
 from llmkit.spec import ResolvedSpec
 
 
@@ -83,9 +83,7 @@ class Starcoder2(Family):
             a = hf + "self_attn."
             out += layernorm_rules(us + "norm1", hf + "input_layernorm")
             out += layernorm_rules(us + "norm2", hf + "post_attention_layernorm")
-            out.append(rows(us + "attn.qkv.weight", [a + f"{p}_proj.weight" for p in "qkv"], sizes))
-            if bias:
-                out.append(rows(us + "attn.qkv.bias", [a + f"{p}_proj.bias" for p in "qkv"], sizes))
+            out += separate_qkv(us + "attn.qkv", a, sizes, bias=bias)
             out += linear_rules(us + "attn.out_proj", a + "o_proj", bias)
             out += linear_rules(us + "ffn.in_proj", hf + "mlp.c_fc", bias)
             out += linear_rules(us + "ffn.out_proj", hf + "mlp.c_proj", bias)
