@@ -271,17 +271,27 @@ def _write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def read_config(path: Path) -> tuple[str | None, str | None, str | None]:
-    """The chat template, the end-of-turn token (its ``eos_token``) and the ``bos_token``
-    of a Hugging Face ``tokenizer_config.json``; all None when there is no file."""
+def read_json_object(path: Path) -> dict[str, Any] | None:
+    """A JSON file's object, None when there is no file; a one-line error naming the file
+    when it is not JSON or not an object."""
     if not path.is_file():
-        return None, None, None
+        return None
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise LlmkitError(f"{path}: not a valid JSON file ({exc})") from exc
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise LlmkitError(f"{path}: not a valid JSON file ({first})") from exc
     if not isinstance(data, dict):
         raise LlmkitError(f"{path}: expected a JSON object")
+    return data
+
+
+def read_config(path: Path) -> tuple[str | None, str | None, str | None]:
+    """The chat template, the end-of-turn token (its ``eos_token``) and the ``bos_token``
+    of a Hugging Face ``tokenizer_config.json``; all None when there is no file."""
+    data = read_json_object(path)
+    if data is None:
+        return None, None, None
     template = data.get("chat_template")
     if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}

@@ -106,7 +106,7 @@ def _spec_for(cfg: dict[str, Any], name: str, attention: str) -> tuple[dict, Res
 
 
 def _fill(model: nn.Module, ours: dict[str, torch.Tensor]) -> None:
-    expected = model.state_dict()
+    expected = model.state_dict(keep_vars=True)
     for name, t in ours.items():
         if name not in expected:
             raise LlmkitError(f"mapped tensor {name!r} is not in the model")
@@ -119,7 +119,7 @@ def _fill(model: nn.Module, ours: dict[str, torch.Tensor]) -> None:
     if missing:
         raise LlmkitError(f"the checkpoint fills no {missing[0]!r}")
     with torch.no_grad():
-        for name, p in model.state_dict(keep_vars=True).items():
+        for name, p in expected.items():
             p.copy_(ours[name])
 
 

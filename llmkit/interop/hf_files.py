@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from llmkit.data.tokenizer import read_json_object
 from llmkit.errors import LlmkitError
 
 CONFIG = "config.json"
@@ -26,14 +27,9 @@ GENERATION_CONFIG = "generation_config.json"
 
 def read_json(path: Path) -> dict[str, Any]:
     """A JSON object from ``path``; a one-line error naming the file otherwise."""
-    if not path.is_file():
+    data = read_json_object(path)
+    if data is None:
         raise LlmkitError(f"{path}: missing")
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise LlmkitError(f"{path}: not a valid JSON file ({exc})") from exc
-    if not isinstance(data, dict):
-        raise LlmkitError(f"{path}: expected a JSON object")
     return data
 
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from llmkit.data.tokenizer import CONFIG_FILE, Tokenizer
+from llmkit.data.tokenizer import CONFIG_FILE, Tokenizer, read_json_object
 from llmkit.errors import LlmkitError
 
 if TYPE_CHECKING:
@@ -147,15 +147,7 @@ def _files(
 
 def _read_json_object(path: Path) -> dict[str, Any]:
     """A JSON file's object; {} when there is no file."""
-    if not path.is_file():
-        return {}
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise LlmkitError(f"{path}: not a valid JSON file ({_first_line(exc)})") from exc
-    if not isinstance(data, dict):
-        raise LlmkitError(f"{path}: expected a JSON object")
-    return data
+    return read_json_object(path) or {}
 
 
 def _read_tokenizer_json(path: Path) -> tuple[str, tokenizers.Tokenizer]:

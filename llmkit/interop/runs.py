@@ -18,16 +18,12 @@ from llmkit.errors import LlmkitError
 from llmkit.interop import hf_files
 from llmkit.interop.convert import Imported, hf_to_llmkit, llmkit_to_hf
 from llmkit.interop.hf_tokenizer import HFTokenizerFiles, read_hf_tokenizer, write_run_tokenizer
+from llmkit.runs import check_empty_output
 
 SOURCE_FILE = "hf_source.json"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 #: Config keys naming special token ids, carried from import to export.
 TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
-
-
-def _empty_dir(out: Path) -> None:
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise LlmkitError(f"{out} exists and is not empty; choose another output directory")
 
 
 def _tokenizer_table(tok: HFTokenizerFiles | None) -> dict[str, Any]:
@@ -44,7 +40,7 @@ def import_hf(hf_dir: str | Path, out: str | Path, *, attention: str = "sdpa") -
     from llmkit.spec import resolve
 
     src, out = Path(hf_dir).expanduser(), Path(out).expanduser()
-    _empty_dir(out)
+    check_empty_output(out)
     imported = hf_to_llmkit(src, attention=attention)
     tok = read_hf_tokenizer(src)
     raw = dict(imported.raw)
@@ -99,7 +95,7 @@ def export_hf(
     from llmkit.runs.checkpoints import load_weights
 
     out = Path(out).expanduser()
-    _empty_dir(out)
+    check_empty_output(out)
     found = open_run(run)
     rs = found.resolve()
     if ADAPTER_SECTION in rs.components:

@@ -40,6 +40,12 @@ METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "loss.png"
 
 
+def check_empty_output(out: Path) -> None:
+    """A new run or export directory must be absent or empty: nothing in it is overwritten."""
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise LlmkitError(f"{out} exists and is not empty; choose another output directory")
+
+
 def default_run_dir(rs: ResolvedSpec) -> Path:
     name = rs.spec.name or Path(rs.source or "run").stem
     return Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"

@@ -13,7 +13,14 @@ import shutil
 from pathlib import Path
 
 from llmkit.errors import LlmkitError
-from llmkit.runs import ADAPTER_SECTION, SPEC_FILE, TOKENIZER_FILES, load_run, save_spec
+from llmkit.runs import (
+    ADAPTER_SECTION,
+    SPEC_FILE,
+    TOKENIZER_FILES,
+    check_empty_output,
+    load_run,
+    save_spec,
+)
 from llmkit.runs.checkpoints import WEIGHTS, save_weights
 from llmkit.spec import resolve
 
@@ -24,8 +31,7 @@ def merge_run(path: str | Path, out: str | Path, which: str = "final") -> tuple[
     from llmkit.model.adapters import merge_adapters
 
     out = Path(out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise LlmkitError(f"{out} exists and is not empty; choose another output directory")
+    check_empty_output(out)
     loaded = load_run(path, which=which)
     if ADAPTER_SECTION not in loaded.spec.components:
         raise LlmkitError(f"{loaded.run_dir} has no adapters (model.adapter) to merge")
