@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -74,17 +76,48 @@ def autocast(device: torch.device, precision: str) -> Any:
     return torch.autocast(device_type=device.type, dtype=dtype)
 
 
-def peak_flops(device: torch.device, precision: str) -> float | None:
-    """Peak FLOP/s: the data-sheet figure for known GPUs; measured matmul speed on CPU."""
+def peak_flops(device: torch.device, precision: str, cache: Path | None = None) -> float | None:
+    """Peak FLOP/s: the data-sheet figure for known GPUs; measured matmul speed on CPU, kept
+    in the JSON file ``cache`` (when given) under the CPU, its thread count, torch's version
+    and the dtype, so later runs on the same machine need not measure again."""
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         for key, peak in GPU_PEAKS.items():
             if key in name:
                 return peak if precision != "fp32" else None
         return None
-    if device.type == "cpu":
-        return measure_matmul_flops(torch.bfloat16 if precision == "bf16" else torch.float32)
-    return None
+    if device.type != "cpu":
+        return None
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    if cache is None:
+        return measure_matmul_flops(dtype)
+    import json
+
+    key = f"{cpu_name()}|threads {torch.get_num_threads()}|torch {torch.__version__}|{dtype}"
+    known: dict[str, Any] = {}
+    with contextlib.suppress(OSError, ValueError):
+        known = json.loads(cache.read_text())
+    flops = known.get(key) if isinstance(known, dict) else None
+    if isinstance(flops, float) and flops > 0:
+        return flops
+    flops = measure_matmul_flops(dtype)
+    with contextlib.suppress(OSError):  # a cache that cannot be written costs a measurement
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache.with_name(f".{cache.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({**(known if isinstance(known, dict) else {}), key: flops}))
+        os.replace(tmp, cache)
+    return flops
+
+
+def cpu_name() -> str:
+    """The CPU's model name (Linux ``/proc/cpuinfo``), else :func:`platform.processor`."""
+    import platform
+
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
 
 
 def measure_matmul_flops(dtype: torch.dtype, n: int = 512, seconds: float = 0.2) -> float:
@@ -106,8 +139,6 @@ def measure_matmul_flops(dtype: torch.dtype, n: int = 512, seconds: float = 0.2)
 
 def last_level_cache_bytes() -> int | None:
     """The CPU's largest cache in bytes (Linux sysfs), or None where it cannot be read."""
-    from pathlib import Path
-
     sizes = []
     for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
         text = f.read_text().strip().upper()

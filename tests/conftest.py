@@ -8,7 +8,9 @@ os.environ["LLMKIT_PLUGINS"] = ""  # only the built-in plugin
 os.environ.pop("LLMKIT_STRICT_PLUGINS", None)
 os.environ.pop("LLMKIT_REGISTRY", None)
 
+import atexit
 import shutil
+import tempfile
 import tomllib
 from pathlib import Path
 
@@ -19,6 +21,16 @@ SPECS = ROOT / "specs"
 #: The deliberately broken plugin: never installed where the user works (``make test``
 #: uninstalls an old install); tests that need it install it throwaway, see below.
 BROKEN_FIXTURE = ROOT / "plugins" / "llmkit-broken-fixture"
+#: The shared data cache (llmkit.data.store) of fixtures wider than a test; each test has its
+#: own (below), so no test takes what another prepared, and ~/.cache is never touched.
+os.environ["LLMKIT_CACHE_DIR"] = tempfile.mkdtemp(prefix="llmkit-test-cache-")
+atexit.register(shutil.rmtree, os.environ["LLMKIT_CACHE_DIR"], True)
+
+
+@pytest.fixture(autouse=True)
+def _own_data_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch):
+    """A shared data cache for this test alone."""
+    monkeypatch.setenv("LLMKIT_CACHE_DIR", str(tmp_path_factory.mktemp("llmkit-cache")))
 
 
 def install_broken_fixture(site: Path) -> Path:

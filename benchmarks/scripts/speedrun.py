@@ -75,9 +75,9 @@ def cpu_facts() -> dict[str, object]:
     }
 
 
-def _timed(cmd: list[str], cwd: Path) -> tuple[float, str]:
+def _timed(cmd: list[str], cwd: Path, env: dict[str, str] | None = None) -> tuple[float, str]:
     start = time.perf_counter()
-    done = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True)
+    done = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, env=env)
     wall = time.perf_counter() - start
     if done.returncode != 0:
         tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
@@ -92,7 +92,9 @@ def run_llmkit(seed: int, spec: Path, data: Path, out: Path, max_steps: int | No
     cmd += ["--set", f"data.source.paths=[{json.dumps(str(data))}]"]
     if max_steps:
         cmd += ["--max-steps", str(max_steps), "--set", f"train.eval_interval={max_steps}"]
-    wall, _ = _timed(cmd, ROOT)
+    # An empty shared data cache: every run loads, tokenizes and trains its tokenizer.
+    env = {**os.environ, "LLMKIT_CACHE_DIR": str(out.with_name(f"{out.name}-cache"))}
+    wall, _ = _timed(cmd, ROOT, env)
     lines = (out / "metrics.jsonl").read_text().splitlines()
     evals = [r for r in map(json.loads, lines) if "val_loss" in r]
     return Result("llmkit speedrun", seed, wall, evals[-1]["val_loss"], True)
@@ -124,9 +126,10 @@ def run_nanogpt(checkout: Path, max_steps: int | None) -> Result:
 
 def startup(data: Path, repeats: int) -> dict[str, list[float]]:
     """Start-up cost, side by side: the whole command for one optimizer step and one
-    validation batch on a new run directory (llmkit: tokenizer training and tokenizing
-    included), llmkit then the plain loop, ``repeats`` times."""
-    walls: dict[str, list[float]] = {"llmkit": [], "plain PyTorch": []}
+    validation batch on a new run directory, ``repeats`` rounds of: llmkit with an empty
+    shared data cache (``cold``: it loads the corpus, trains its tokenizer and tokenizes),
+    llmkit again with what that run kept there (``warm``), then the plain loop."""
+    walls: dict[str, list[float]] = {"llmkit cold": [], "llmkit warm": [], "plain PyTorch": []}
     ours = [
         sys.executable,
         "-m",
@@ -142,7 +145,10 @@ def startup(data: Path, repeats: int) -> dict[str, list[float]]:
     plain += ["--max-iters", "1", "--eval-iters", "1", "--no-full-split"]
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(repeats):
-            walls["llmkit"].append(_timed([*ours, "--out", f"{tmp}/run-{i}"], ROOT)[0])
+            env = {**os.environ, "LLMKIT_CACHE_DIR": f"{tmp}/cache-{i}"}
+            for label in ("llmkit cold", "llmkit warm"):
+                out = f"{tmp}/run-{i}-{label.split()[1]}"
+                walls[label].append(_timed([*ours, "--out", out], ROOT, env)[0])
             walls["plain PyTorch"].append(_timed(plain, ROOT)[0])
     return walls
 

@@ -31,3 +31,19 @@ def test_speedrun_vs_recipe(benchmark, tmp_path):
     benchmark.extra_info["recipe_val_mean"] = recipe["val_mean"]
     if FULL:
         assert ours["val_mean"] <= 1.89, ours
+
+
+def test_startup_vs_plain_loop(benchmark, tmp_path):
+    """Start-up, side by side: llmkit with an empty shared data cache, llmkit with it filled,
+    the plain loop (3 rounds in full mode, 1 in quick)."""
+    rounds = "3" if FULL else "1"
+    report = benchmark.pedantic(
+        speedrun.main,
+        args=(["--startup", rounds, "--json", str(tmp_path / "startup.json")],),
+        rounds=1,
+    )
+    walls = report["startup"]
+    assert set(walls) == {"llmkit cold", "llmkit warm", "plain PyTorch"}
+    assert all(len(w) == int(rounds) and min(w) > 0 for w in walls.values())
+    benchmark.extra_info["machine"] = report["machine"]
+    benchmark.extra_info["startup"] = walls

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ import numpy as np
 
 from llmkit.data.chat import ChatEncoder, ChatTemplateError
 from llmkit.data.samplers import padded_examples, trainable_blocks
+from llmkit.data.store import DataStore, recipe_key
 from llmkit.data.tokenizer import UNK, Tokenizer, build_tokenizer
 from llmkit.data.tokens import (
     FORMAT_VERSION,
@@ -62,30 +64,30 @@ def prepare_data(
     *,
     log: Callable[[str], None] = print,
 ) -> PreparedData:
-    """Build the source, get its splits, build/load the tokenizer (``run_dir/tokenizer.json``)
-    and tokenize each split into a cached token file, reusing files made before."""
+    """Build the source, build/load the tokenizer (``run_dir/tokenizer.json``) and tokenize
+    each split into a cached token file, reusing files made before: the run's own, or with
+    ``data.shared_cache`` those an earlier run kept in the shared store
+    (:mod:`llmkit.data.store`). The corpus is only loaded (``source.splits``) when something
+    has to be made from it."""
     if rs.dataset is None:
         raise LlmkitError("no dataset source: the registry has no 'dataset' kind")
     run_dir = Path(run_dir)
     spec = rs.spec
     seed = spec.train.seed if spec.data.seed is None else spec.data.seed
+    source_options = rs.dataset.to_dict()
     source = rs.dataset.build(rs.dataset.options)
-    splits = source.splits(seed)
     chat_format = getattr(source, "chat_format", None)
     chat = chat_format() if callable(chat_format) else None
-    _check_splits(splits, rs.dataset.name, chat is not None)
-    description = source.describe()
-    log(f"data: {description}")
+    splits = _LazySplits(source, seed, rs.dataset.name, chat is not None, log)
+    fingerprint = getattr(source, "fingerprint", None)
+    files = fingerprint() if callable(fingerprint) else None
+    # Only a source that can tell when its files change may share across runs.
+    store = DataStore() if spec.data.shared_cache and files is not None else None
 
     tok_spec = spec.tokenizer if chat is None else _with_tokens(spec.tokenizer, chat)
     if tokenizer is None:
-        texts = (
-            (lambda: iter_texts(splits["train"], seed))
-            if chat is None
-            else (lambda: iter_chat_texts(splits["train"], seed, chat, tok_spec))
-        )
-        tokenizer = build_tokenizer(
-            tok_spec, texts, run_dir / "tokenizer.json", spec.model.vocab_size, log=log
+        tokenizer = _tokenizer(
+            rs, source_options, tok_spec, chat, splits, store, files or "", run_dir, log
         )
     if chat is not None:
         grow = spec.train.init_resize_vocab  # a fine-tune that may grow its vocabulary
@@ -93,38 +95,122 @@ def prepare_data(
     elif tokenizer.eos_id is None:
         log("data: the tokenizer has no special token; documents are joined without separator")
 
-    fingerprint = getattr(source, "fingerprint", None)
-    key = data_key(
-        rs.dataset.to_dict(), seed, fingerprint() if callable(fingerprint) else "", tokenizer
-    )
+    key = data_key(source_options, seed, files or "", tokenizer)
     cache_dir = Path(spec.data.cache_dir).expanduser() if spec.data.cache_dir else run_dir / "data"
     cache_dir.mkdir(parents=True, exist_ok=True)
-    files: dict[str, TokenFile] = {}
+    found: dict[str, str] = {}  # split -> where its existing token file came from
     for split in SPLITS:
         path = cache_dir / f"{split}-{key}.bin"
         if _reusable(path):
-            files[split] = TokenFile(path)
-            log(f"data: {split}: {len(files[split]):,} tokens (cached {path.name})")
+            found[split] = f"cached {path.name}"
+        elif store is not None and store.fetch_tokens(path.name, cache_dir):
+            found[split] = f"shared cache {store.root}"
+    tfs: dict[str, TokenFile] = {s: TokenFile(cache_dir / f"{s}-{key}.bin") for s in found}
+    if len(found) < len(SPLITS):
+        splits.get()  # the corpus is needed (its summary is logged)
+    elif not splits.loaded:  # nothing made from the corpus: its summary as it was then
+        log(f"data: {tfs['train'].meta.get('source') or source.describe()}")
+    for split in SPLITS:
+        path = cache_dir / f"{split}-{key}.bin"
+        if split in found:
+            log(f"data: {split}: {len(tfs[split]):,} tokens ({found[split]})")
             continue
-        if chat is None:
-            files[split] = tokenize_split(
-                splits[split], tokenizer, path, num_proc=spec.data.num_proc, meta={"key": key}
-            )
-        else:
-            files[split] = tokenize_chat_split(
-                splits[split], tokenizer, chat, path, num_proc=spec.data.num_proc, meta={"key": key}
-            )
-        tf = files[split]
+        meta = {"key": key, "source": splits.description()}
+        tokenize = tokenize_split if chat is None else _chat_tokenizer(chat)
+        tf = tokenize(splits.get()[split], tokenizer, path, num_proc=spec.data.num_proc, meta=meta)
+        tfs[split] = tf
         log(f"data: {split}: {len(tf):,} tokens from {tf.n_bytes_text:,} bytes -> {path}")
-    if len(files["train"]) == 0:
+        if store is not None:
+            _keep(log, store.keep_tokens, path)
+    description = tfs["train"].meta.get("source") or source.describe()
+    if len(tfs["train"]) == 0:
         raise LlmkitError(f"data.source: {description}: the training split has no text")
     block_size = spec.data.block_size or rs.model.max_seq_len
-    for tf in files.values():
+    for tf in tfs.values():
         tf.layout = "padded" if spec.data.sampling == "padded" else "packed"
-    if files["train"].has_mask or spec.data.sampling == "padded":
-        for split, tf in files.items():
+    if tfs["train"].has_mask or spec.data.sampling == "padded":
+        for split, tf in tfs.items():
             _describe_rows(tf, split, block_size, log)
-    return PreparedData(tokenizer, files["train"], files["validation"], description, cache_dir, key)
+    return PreparedData(tokenizer, tfs["train"], tfs["validation"], description, cache_dir, key)
+
+
+class _LazySplits:
+    """The source's splits, loaded (and checked) on first use; the summary logged then."""
+
+    def __init__(
+        self, source: Any, seed: int, name: str, chat: bool, log: Callable[[str], None]
+    ) -> None:
+        self.source, self.seed, self.name, self.chat, self.log = source, seed, name, chat, log
+        self._splits: Any = None
+
+    @property
+    def loaded(self) -> bool:
+        return self._splits is not None
+
+    def get(self) -> Any:
+        if self._splits is None:
+            splits = self.source.splits(self.seed)
+            _check_splits(splits, self.name, self.chat)
+            self._splits = splits
+            self.log(f"data: {self.source.describe()}")
+        return self._splits
+
+    def description(self) -> str:
+        self.get()
+        return str(self.source.describe())
+
+
+def _tokenizer(
+    rs: ResolvedSpec,
+    source_options: dict[str, Any],
+    tok_spec: TokenizerSpec,
+    chat: Any,
+    splits: _LazySplits,
+    store: DataStore | None,
+    files: str,
+    run_dir: Path,
+    log: Callable[[str], None],
+) -> Tokenizer:
+    """The run's tokenizer (:func:`build_tokenizer`), taken from the shared store when an
+    earlier run trained it for the same recipe, and kept there when trained here."""
+    spec = rs.spec
+    seed = splits.seed
+    out = run_dir / "tokenizer.json"
+
+    def texts() -> Iterable[str]:
+        if chat is None:
+            return iter_texts(splits.get()["train"], seed)
+        return iter_chat_texts(splits.get()["train"], seed, chat, tok_spec)
+
+    if store is None or tok_spec.path or out.exists():  # nothing to train: nothing to share
+        return build_tokenizer(tok_spec, texts, out, spec.model.vocab_size, log=log)
+    tok_dict = tok_spec.model_dump(mode="json")
+    recipe = recipe_key(source_options, seed, files, tok_dict, spec.model.vocab_size)
+    kept = store.tokenizer(recipe)
+    if kept is None:
+        tokenizer = build_tokenizer(tok_spec, texts, out, spec.model.vocab_size, log=log)
+        _keep(log, store.keep_tokenizer, recipe, out)
+        return tokenizer
+    run_dir.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(kept, out)
+    tokenizer = build_tokenizer(tok_spec, texts, out, spec.model.vocab_size)  # loads ``out``
+    log(f"tokenizer: {tokenizer.kind}, {tokenizer.vocab_size} tokens, trained by an earlier run")
+    return tokenizer
+
+
+def _keep(log: Callable[[str], None], put: Callable[..., None], *args: Any) -> None:
+    """``put(*args)`` into the shared store; a failure there only loses the reuse."""
+    try:
+        put(*args)
+    except OSError as exc:
+        log(f"data: not kept in the shared cache ({exc})")
+
+
+def _chat_tokenizer(chat: Any) -> Callable[..., TokenFile]:
+    def tokenize(ds: Any, tokenizer: Tokenizer, path: Path, **kw: Any) -> TokenFile:
+        return tokenize_chat_split(ds, tokenizer, chat, path, **kw)
+
+    return tokenize
 
 
 def _with_tokens(spec: TokenizerSpec, chat: Any) -> TokenizerSpec:

@@ -22,6 +22,7 @@ from typing import Any
 
 import yaml
 
+from llmkit.data.store import link_or_copy
 from llmkit.errors import LlmkitError
 from llmkit.runs import METRICS_FILE, RESOLVED_FILE, SPEC_FILE, TOKENIZER_FILES
 from llmkit.runs.checkpoints import CHECKSUMS, Checkpoints, read_meta, verify_files
@@ -86,7 +87,7 @@ def _copy_setup(src: Path, dst: Path, step: int) -> None:
         if (src / name).is_file():
             shutil.copyfile(src / name, dst / name)
     if (src / DATA_DIR).is_dir():
-        shutil.copytree(src / DATA_DIR, dst / DATA_DIR, copy_function=_link_or_copy)
+        shutil.copytree(src / DATA_DIR, dst / DATA_DIR, copy_function=link_or_copy)
     metrics = src / METRICS_FILE
     if metrics.is_file():
         kept = [line for line in metrics.read_text().splitlines(keepends=True) if _upto(line, step)]
@@ -118,11 +119,3 @@ def _upto(line: str, step: int) -> bool:
     except ValueError:
         return False
     return isinstance(record, dict) and record.get("step", 0) <= step
-
-
-def _link_or_copy(src: str, dst: str) -> str:
-    try:
-        os.link(src, dst)
-    except OSError:
-        shutil.copy2(src, dst)
-    return dst

@@ -27,6 +27,8 @@ class ProgressDisplay:
             self.log = self.bar.console.print
 
     def _start(self, completed: int, enabled: bool | None) -> Any:
+        if enabled is False:
+            return None
         from rich.console import Console
         from rich.progress import (
             BarColumn,

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from llmkit import hardware
+from llmkit.data.store import PEAKS_FILE, store_root
 from llmkit.errors import LlmkitError
 from llmkit.runs import (
     ADAPTER_SECTION,
@@ -210,7 +211,7 @@ class Trainer:
         self.best_val: float | None = None
         self.bad_evals = 0
         self.flops_per_token = self.model.flops_per_token(self.block_size)["train"]
-        peak = hardware.peak_flops(self.device, self.precision)
+        peak = hardware.peak_flops(self.device, self.precision, store_root() / PEAKS_FILE)
         self.peak = peak * strategy.world_size if peak else peak
         if self.resume:
             self._restore()  # last: it sets the RNG state
