@@ -116,6 +116,45 @@ def test_rope_cos_sin_computed_once_per_positions_tensor():
         assert r.cos_sin(p)[0] is not r.cos_sin(p)[0]
 
 
+@pytest.mark.parametrize("fraction", [1.0, 0.5])
+def test_rope_gradients_match_the_naive_formula(fraction: float):
+    """The analytic backward of rotate-half (the inverse rotation) against autograd through
+    the float64 formula, for q and k of other head counts, and for (B, T) positions."""
+    torch.manual_seed(0)
+    r = rope(head_dim=8, rotary_fraction=fraction, theta=300.0)
+    q, k = torch.randn(2, 4, 5, 8), torch.randn(2, 2, 5, 8)
+    gq, gk = torch.randn_like(q), torch.randn_like(k)
+    flat = torch.tensor([0, 2, 7, 15, 21])  # the last one past max_seq_len
+    batched = torch.stack((flat, flat + 3))
+    for positions in (flat, batched):
+        qg, kg = q.clone().requires_grad_(True), k.clone().requires_grad_(True)
+        qr, kr = r.rotate(qg, kg, positions)
+        ((qr * gq).sum() + (kr * gk).sum()).backward()
+        q64, k64 = q.double().requires_grad_(True), k.double().requires_grad_(True)
+        rows = [positions] * 2 if positions.dim() == 1 else list(positions)
+        want_q = torch.stack([naive_rope(q64[b], rows[b], r.rot_dim, 300.0) for b in range(2)])
+        want_k = torch.stack([naive_rope(k64[b], rows[b], r.rot_dim, 300.0) for b in range(2)])
+        ((want_q * gq.double()).sum() + (want_k * gk.double()).sum()).backward()
+        close64(qr, want_q.detach())
+        close64(qg.grad, q64.grad)
+        close64(kg.grad, k64.grad)
+    # bf16 q/k: computed in fp32, returned (and differentiated) in bf16.
+    qb = q.bfloat16().requires_grad_(True)
+    out, _ = r.rotate(qb, k.bfloat16(), flat)
+    (out.float() * gq).sum().backward()
+    assert out.dtype == qb.grad.dtype == torch.bfloat16
+    want = _grad_of(r, q, k, gq)
+    torch.testing.assert_close(qb.grad.float(), want, atol=3e-2 * want.abs().max().item(), rtol=0)
+
+
+def _grad_of(r: RotaryPosition, q: Tensor, k: Tensor, gq: Tensor) -> Tensor:
+    qg = q.clone().requires_grad_(True)
+    out, _ = r.rotate(qg, k, torch.tensor([0, 2, 7, 15, 21]))
+    (out * gq).sum().backward()
+    assert qg.grad is not None
+    return qg.grad
+
+
 def test_rope_partial_rotary_leaves_tail():
     torch.manual_seed(0)
     r = rope(head_dim=16, rotary_fraction=0.25)

@@ -46,7 +46,7 @@ rotation of the call that made them, in both.
 
 from __future__ import annotations
 
-from typing import Annotated, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import torch
 from pydantic import Field, model_validator
@@ -193,6 +193,7 @@ class RotaryPosition(PositionalScheme):
         if freqs.long_inv_freq is not None:
             self._register_tables("long_", freqs.long_inv_freq, ctx.max_seq_len)
         self._last: tuple[Tensor, int, Tensor, Tensor] | None = None
+        self._last_half: tuple[Tensor, Tensor, Tensor] | None = None
 
     def _register_tables(self, prefix: str, inv_freq: Tensor, n: int) -> None:
         angles = torch.arange(n, dtype=torch.float64)[:, None] * inv_freq
@@ -250,15 +251,14 @@ class RotaryPosition(PositionalScheme):
         )
 
     def _rotate_pairs(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        r, h = self.rot_dim, self.rot_dim // 2
-        xf = x[..., :r].float()
+        r = self.rot_dim
         if self.interleaved:
+            xf = x[..., :r].float()
             x1, x2 = xf[..., 0::2], xf[..., 1::2]
             rotated = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
             rotated = rotated.flatten(-2).to(x.dtype)
-        else:
-            x1, x2 = xf[..., :h], xf[..., h:]
-            rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+        else:  # cos, sin here are the full-width (…, r) tables of _RotateHalf
+            rotated = _RotateHalf.apply(x if r == x.shape[-1] else x[..., :r], cos, sin)
         if r == x.shape[-1]:
             return rotated
         return torch.cat((rotated, x[..., r:]), dim=-1)
@@ -270,9 +270,22 @@ class RotaryPosition(PositionalScheme):
                 f"k {tuple(k.shape)}"
             )
         cos, sin = self.cos_sin(positions)
-        if positions.dim() == 2:  # (B, T, r/2) → (B, 1, T, r/2) to broadcast over heads
+        if not self.interleaved:
+            cos, sin = self._half_tables(positions, cos, sin)
+        if positions.dim() == 2:  # (B, T, ·) → (B, 1, T, ·) to broadcast over heads
             cos, sin = cos[:, None], sin[:, None]
         return self._rotate_pairs(q, cos, sin), self._rotate_pairs(k, cos, sin)
+
+    def _half_tables(self, positions: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+        """(cos, cos) and (−sin, sin) side by side, (…, rot_dim): rotate-half is then
+        x·cos2 + swap(x)·sin2. Kept with the last positions, as :meth:`cos_sin` keeps its."""
+        last = self._last_half
+        if last is not None and last[0] is cos:
+            return last[1], last[2]
+        cos2, sin2 = torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
+        if self._last is not None and self._last[2] is cos:  # only what cos_sin keeps
+            self._last_half = (cos, cos2, sin2)
+        return cos2, sin2
 
     def extra_repr(self) -> str:
         return (
@@ -280,3 +293,27 @@ class RotaryPosition(PositionalScheme):
             f"base={self.base:g}, position_scale={self.position_scale:g}, "
             f"attention_factor={self.attention_factor:g}"
         )
+
+
+def _swap_halves(x: Tensor) -> Tensor:
+    h = x.shape[-1] // 2
+    return torch.cat((x[..., h:], x[..., :h]), dim=-1)
+
+
+class _RotateHalf(torch.autograd.Function):
+    """Rotate-half RoPE, y = x·cos2 + swap(x)·sin2 with cos2 = (cos, cos) and sin2 =
+    (−sin, sin), computed in fp32 and returned in x's dtype, with its analytic backward
+    dx = g·cos2 − swap(g)·sin2 (the inverse rotation): three ops each way instead of the
+    dozen autograd records for the split-and-concatenate form."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, cos2: Tensor, sin2: Tensor) -> Tensor:
+        ctx.save_for_backward(cos2, sin2)
+        xf = x.float()
+        return torch.addcmul(xf * cos2, _swap_halves(xf), sin2).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
+        cos2, sin2 = ctx.saved_tensors
+        g = grad.float()
+        return torch.addcmul(g * cos2, _swap_halves(g), sin2, value=-1.0).to(grad.dtype), None, None
