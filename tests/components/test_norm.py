@@ -67,6 +67,39 @@ def test_rmsnorm_keeps_dtype_and_computes_in_fp32():
     torch.testing.assert_close(y.float(), norm(x.bfloat16().float()), atol=1e-2, rtol=1e-2)
 
 
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rmsnorm_gradients_match_autograd_in_float64(offset: float, dtype: torch.dtype):
+    """The CPU path's analytic backward against autograd through the formula in float64,
+    for the input and the gain (Gemma's 1 + w included), fp32 and bf16 activations."""
+    torch.manual_seed(0)
+    norm = RMSNorm(RMSNorm.Options(offset=offset, eps=1e-5), ctx())
+    with torch.no_grad():
+        norm.weight.uniform_(-0.5, 1.5)
+    x = (torch.randn(3, 4, 16) * 3).to(dtype).requires_grad_(True)
+    g = torch.randn(3, 4, 16)
+    y = norm(x)
+    assert y.dtype == dtype
+    (y.float() * g).sum().backward()
+    x64 = x.detach().double().requires_grad_(True)
+    w64 = norm.weight.detach().double().requires_grad_(True)
+    want = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-5) * (w64 + offset)
+    (want * g.double()).sum().backward()
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    scale = max(1.0, x64.grad.abs().max().item())
+    torch.testing.assert_close(y.double(), want.detach(), atol=tol * 4, rtol=tol)
+    torch.testing.assert_close(x.grad.double(), x64.grad, atol=tol * scale, rtol=tol)
+    torch.testing.assert_close(norm.weight.grad.double(), w64.grad, atol=tol * 10, rtol=tol)
+    # The gain alone (frozen input) and the input alone (frozen gain) have their gradients.
+    norm.weight.grad = None
+    norm(x.detach()).sum().backward()
+    assert norm.weight.grad is not None
+    norm.weight.requires_grad_(False)
+    x.grad = None
+    norm(x).sum().backward()
+    assert x.grad is not None
+
+
 @pytest.mark.parametrize("cls", [LayerNorm, RMSNorm])
 def test_features_follow_ctx_dim(cls):
     norm = cls(cls.Options(), ctx(dim=8))
