@@ -23,18 +23,25 @@ ALiBi) as an additive mask. Elsewhere, step by step: a ``baddbmm`` of the scores
 band as bias, a softmax in place in a reused buffer, a ``bmm`` with the value spans.
 
 **Backward** (FlashAttention-2 manner, Dao 2023: forward saves only q, k, v and the output):
-each step recomputes P and forms dS = P ∘ (dP − δ), δ = rowsum(dO ∘ O), and dQ = dS·K. dK of
+each step recomputes P and forms dS = P ∘ (dP − δ), δ = rowsum(dO ∘ O) (−δ is the input of
+dP's ``baddbmm``, so dP − δ is one op), and dQ = dS·K. dK of
 key chunk f sums dSᵀ·Q over the n+1 query chunks f … f+n, whose tiles for that key chunk lie
 on a diagonal of the (chunk, tile) grid. P and dS are kept in rolling buffers whose chunk
 stride is ``G·C·Kc + C`` rather than ``G·C·Kc``: that extra C makes the diagonal one
 strided matrix, (n+1)·G·C rows of stride Kc, so dK (and dV from P) of a run of key chunks
 is one batched matmul of depth Kc written straight into dK's rows, with no scatter-add.
+torch's fused CPU flash backward (``_scaled_dot_product_flash_attention_for_cpu_backward``)
+takes an additive ``attn_mask`` too and would run on the same chunk batch and span views,
+but it loops over the chunks one small block at a time and returns per-span dK, dV (to fold
+back); measured, it is about 2× slower than these batched steps at C = 32, so it is not used.
 
 **Threads.** A large CPU call runs its (batch, kv head) pairs on several Python threads,
 each with its share of torch's threads (one on a 2-core machine) and taking the next heads
 when done (:mod:`llmkit.kernels.worker_threads`): no op then waits at a
 barrier for a thread the OS has descheduled, which makes the many small steps robust on a
-shared machine.
+shared machine. The calling thread runs no op large enough for an OpenMP region of its own
+just before the workers start (the masks are a few rows, not one per chunk): after such a
+region libgomp's team threads spin for milliseconds, on the cores the workers need.
 
 Decoding and other short query blocks (Tq ≤ C) take one chunk per (batch, kv head), whose
 span is a view of the last keys of k itself; Tq < Tk with several chunks runs the last
@@ -185,10 +192,14 @@ class Layout:
             empty = (counts[:, hi + 1] - counts[:, lo]) == 0
             self.empty = empty if bool(empty.any()) else None
         elif self.n:
-            j = torch.arange(self.nb, device=dev)[:, None]
-            #: (nb, 1, Kc): the same for every chunk of a head (False from chunk n on).
-            self.front_by_chunk = (col < (self.n - j) * c)[:, None, :]
-            self.front = self.front_by_chunk[: min(self.n, self.nb)]
+            # Only min(n, nb) + 1 rows (the last all False when nb > n): a mask of every
+            # chunk would be large enough for an OpenMP region in this thread, whose team
+            # then spins on a core while the workers run.
+            nf = min(self.n, self.nb)
+            j = torch.arange(nf + 1, device=dev)[:, None]
+            #: (nf + 1, 1, Kc): row j for a head's chunk j < nf, row nf for all later ones.
+            self.front_rows = (col < (self.n - j) * c)[:, None, :]
+            self.front = self.front_rows[:nf]
 
     def _columns(self, key_padding_mask: Tensor) -> Tensor:
         dev = self.device
@@ -219,7 +230,7 @@ class Layout:
             nf, heads = self.front.shape[0], range(f0 // self.nb, (f1 - 1) // self.nb + 1)
             if len(heads) > 2:
                 j = torch.arange(f0, f1, device=self.device) % self.nb
-                s.masked_fill_(self.front_by_chunk[j], -math.inf)
+                s.masked_fill_(self.front_rows[j.clamp_(max=nf)], -math.inf)
             for h in heads if len(heads) <= 2 else ():
                 lo, hi = max(h * self.nb, f0), min(h * self.nb + nf, f1)
                 if lo < hi:
@@ -453,11 +464,12 @@ class _Backward:
 
     def _ds(self, f0: int, f1: int, p: Tensor, out: Tensor) -> Tensor:
         """dP·scale of chunks f0 … f1−1 in ``out`` (contiguous), minus δ·scale,
-        δ = rowsum(dO ∘ O); the caller multiplies by P."""
+        δ = rowsum(dO ∘ O), in one ``baddbmm`` (δ as its input, expanded); the caller
+        multiplies by P."""
         lay, do, vs = self.lay, self.do[f0:f1], self.values.spans(f0, f1)
-        delta = torch.linalg.vecdot(do, self.of[f0:f1])[..., None].mul_(lay.scale)
-        dp = torch.baddbmm(out, do, vs.transpose(1, 2), beta=0, alpha=lay.scale, out=out)
-        return dp.sub_(delta)
+        delta = torch.linalg.vecdot(do, self.of[f0:f1]).mul_(lay.scale)[..., None]
+        delta = delta.expand(out.shape)
+        return torch.baddbmm(delta, do, vs.transpose(1, 2), beta=-1, alpha=lay.scale, out=out)
 
     def single(self, p0: int, p1: int, state: dict[str, Tensor]) -> None:
         """One chunk per head: dK, dV of a span are written straight into its keys' rows."""

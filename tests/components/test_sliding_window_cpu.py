@@ -78,6 +78,38 @@ def test_padding_with_empty_rows(monkeypatch, two_threads, threaded, step_scores
     _check(q, k, v, 12, slopes=slopes, pad=pad, chunk=8)
 
 
+@pytest.mark.parametrize("tq", [32, 16], ids=["nb>n", "nb=n"])
+@pytest.mark.parametrize("fused", [True, False], ids=["fused-fwd", "step-fwd"])
+@pytest.mark.parametrize("alibi", [False, True], ids=["plain", "alibi"])
+def test_steps_over_many_heads(monkeypatch, two_threads, tq, fused, alibi):
+    """Steps holding more than two heads mask the spans before each head's first key with
+    the gathered per-chunk rows (every chunk from n on reads the all-False last row);
+    forward and backward against the reference, GQA and MQA."""
+    monkeypatch.setattr(block_local, "FUSED_FORWARD", fused)
+    monkeypatch.setattr(worker_threads, "PARALLEL_SCORES", 1 << 62)
+    monkeypatch.setattr(block_local, "STEP_SCORES", 1 << 18)
+    for hq, hkv in ((8, 4), (4, 1)):
+        q, k, v = make_qkv(5, hq, hkv, tq, tq, d=8, seed=tq + hkv)
+        lay = block_local.Layout(q, k, 16, hq // hkv, None, None, 8)
+        steps = lay.steps(0, lay.chunks)
+        assert max((f1 - 1) // lay.nb - f0 // lay.nb + 1 for f0, f1 in steps) > 2
+        assert lay.front_rows.shape[0] == min(lay.n, lay.nb) + 1
+        slopes = torch.tensor(alibi_slopes(hq)) if alibi else None
+        _check(q, k, v, 16, slopes=slopes, chunk=8)
+
+
+def test_layout_masks_stay_small():
+    """At the benchmark's shape the masks the calling thread builds stay under torch's grain
+    size (no OpenMP region there, whose team would spin on a core while the workers run):
+    they do not grow with L."""
+    grain = 32768  # at::internal::GRAIN_SIZE
+    for length in (4096, 16384):
+        q, k, _ = make_qkv(1, 8, 8, length, length, d=64)
+        lay = block_local.Layout(q, k, 256, 1, None, None, None)
+        assert lay.front_rows.numel() < grain and lay.bias.numel() < grain
+        assert lay.front_rows.shape == (lay.n + 1, 1, lay.kc) and not lay.front_rows[-1].any()
+
+
 def test_threads_give_the_inline_results(monkeypatch, two_threads):
     """Worker threads compute the same numbers as the inline path, run after run, and leave
     the caller's torch thread count as it was."""
