@@ -55,6 +55,13 @@ def test_mlp_activations(activation, ref):
     out = mlp(x)
     assert out.shape == x.shape
     torch.testing.assert_close(out, want, atol=1e-6, rtol=1e-5)
+    # Gradients (relu2 has its own backward) against autograd through the reference.
+    g = torch.randn_like(out)
+    xa, xb = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    grads = [torch.autograd.grad((y * g).sum(), (xi, mlp.in_proj.weight)) for y, xi in (
+        (mlp(xa), xa), (mlp.out_proj(ref(mlp.in_proj(xb))), xb))]  # fmt: skip
+    for got, exp in zip(*grads):
+        torch.testing.assert_close(got, exp, atol=1e-6, rtol=1e-5)
 
 
 def test_mlp_hidden_size_options():
