@@ -136,7 +136,7 @@ def _plugins_switched_off(distribution: str, registry: Any) -> list[str]:
 
 
 def _check_requires(requires: Any, source: str | None, registry: Any = None) -> None:
-    if not isinstance(requires, list):
+    if not isinstance(requires, list) or not requires:  # nothing to check: no packaging import
         return
     import importlib.metadata as md
 
