@@ -31,6 +31,13 @@ class PluginError(LlmkitError):
     """A plugin that failed to import or to register."""
 
 
+def first_line(exc: BaseException) -> str:
+    """An exception's message cut to its first non-empty line (its type's name if it has no
+    message), for one-line errors that quote a library's."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
 def no_space(exc: BaseException) -> bool:
     """Whether ``exc`` reports a full disk or quota: an ``OSError`` with ENOSPC/EDQUOT, or a
     library's error quoting one (safetensors: "No space left on device (os error 28)";

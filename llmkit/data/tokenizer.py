@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from llmkit.errors import LlmkitError
+from llmkit.errors import LlmkitError, first_line
 
 if TYPE_CHECKING:
     import numpy as np
@@ -255,8 +255,7 @@ class Tokenizer:
         try:
             tok = HFTokenizer.from_file(str(p))
         except Exception as exc:
-            first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            raise LlmkitError(f"{p}: not a valid tokenizer.json ({first})") from exc
+            raise LlmkitError(f"{p}: not a valid tokenizer.json ({first_line(exc)})") from exc
         template, end, bos = read_config(p.parent / CONFIG_FILE)
         return cls(tok, kind, eos_token, chat_template=template, end_of_turn=end, bos_token=bos)
 
@@ -279,8 +278,7 @@ def read_json_object(path: Path) -> dict[str, Any] | None:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise LlmkitError(f"{path}: not a valid JSON file ({first})") from exc
+        raise LlmkitError(f"{path}: not a valid JSON file ({first_line(exc)})") from exc
     if not isinstance(data, dict):
         raise LlmkitError(f"{path}: expected a JSON object")
     return data

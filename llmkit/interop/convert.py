@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from llmkit.errors import LlmkitError
+from llmkit.errors import LlmkitError, first_line
 from llmkit.interop import hf_files
 from llmkit.interop.family import Family, Refused
 from llmkit.interop.mapping import to_hf, to_llmkit
@@ -143,8 +143,7 @@ def hf_to_llmkit(hf_dir: str | Path, *, attention: str = "sdpa") -> Imported:
     try:
         ours = to_llmkit(fam.rules(cfg), tensors, ignore=ignore)
     except MALFORMED as exc:  # tensors of other shapes than config.json says
-        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise LlmkitError(f"{d}: the weights do not fit config.json ({first})") from exc
+        raise LlmkitError(f"{d}: the weights do not fit config.json ({first_line(exc)})") from exc
     if tied:
         head = tensors.get("lm_head.weight")
         if head is not None and not torch.equal(head, ours["tok_emb.weight"]):

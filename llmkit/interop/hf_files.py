@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from llmkit.data.tokenizer import read_json_object
-from llmkit.errors import LlmkitError
+from llmkit.errors import LlmkitError, first_line
 
 CONFIG = "config.json"
 SAFETENSORS = "model.safetensors"
@@ -80,8 +80,7 @@ def _read_one(path: Path) -> dict[str, torch.Tensor]:
     try:
         data = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # pickle errors have no common base
-        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise LlmkitError(f"{path}: not loadable as weights only ({first})") from exc
+        raise LlmkitError(f"{path}: not loadable as weights only ({first_line(exc)})") from exc
     if not isinstance(data, dict) or not all(isinstance(v, torch.Tensor) for v in data.values()):
         raise LlmkitError(f"{path}: not a state dict of tensors")
     return data

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from llmkit.data.tokenizer import CONFIG_FILE, Tokenizer, read_json_object
-from llmkit.errors import LlmkitError
+from llmkit.errors import LlmkitError, first_line
 
 if TYPE_CHECKING:
     import tokenizers
@@ -155,7 +155,7 @@ def _read_tokenizer_json(path: Path) -> tuple[str, tokenizers.Tokenizer]:
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
-        raise LlmkitError(f"{path}: cannot read it ({_first_line(exc)})") from exc
+        raise LlmkitError(f"{path}: cannot read it ({first_line(exc)})") from exc
     return text, _parse(text, path)
 
 
@@ -165,7 +165,7 @@ def _parse(text: str, path: Path) -> tokenizers.Tokenizer:
     try:
         return RawTokenizer.from_str(text)
     except Exception as exc:
-        raise LlmkitError(f"{path}: not a valid tokenizer.json ({_first_line(exc)})") from exc
+        raise LlmkitError(f"{path}: not a valid tokenizer.json ({first_line(exc)})") from exc
 
 
 def _file_roles(hf_dir: Path, config: dict[str, Any], token_map: dict[str, Any]) -> dict[str, Any]:
@@ -217,7 +217,7 @@ def _chat_template(hf_dir: Path, config: dict[str, Any]) -> str | None:
         try:
             template = path.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as exc:
-            raise LlmkitError(f"{path}: cannot read it ({_first_line(exc)})") from exc
+            raise LlmkitError(f"{path}: cannot read it ({first_line(exc)})") from exc
     if template is None and (hf_dir / CHAT_TEMPLATE_FILES[1]).is_file():
         path = hf_dir / CHAT_TEMPLATE_FILES[1]
         template = _read_json_object(path).get("chat_template")
@@ -243,11 +243,6 @@ def _post_processor_adds(text: str, bos: str | None) -> bool:
         if p.get("type") in ("BertProcessing", "RobertaProcessing"):
             return (p.get("cls") or [None])[0] == bos
     return False
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
 
 
 # -- legacy files -----------------------------------------------------------------------------
@@ -276,10 +271,10 @@ def _convert_legacy(hf_dir: Path, names: tuple[str, ...]) -> Any:
             hf_dir, local_files_only=True, trust_remote_code=False
         )
     except ImportError as exc:
-        raise _missing(path, getattr(exc, "name", None) or _first_line(exc)) from exc
+        raise _missing(path, getattr(exc, "name", None) or first_line(exc)) from exc
     except Exception as exc:
         if names[0] != "vocab.json":
-            raise LlmkitError(f"{path}: cannot convert it ({_first_line(exc)})") from exc
+            raise LlmkitError(f"{path}: cannot convert it ({first_line(exc)})") from exc
         tok = _gpt2(transformers, hf_dir, path)
     if getattr(tok, "backend_tokenizer", None) is None:  # a slow (Python) tokenizer
         tok = _to_fast(transformers, tok, path)
@@ -290,7 +285,7 @@ def _gpt2(transformers: Any, hf_dir: Path, path: Path) -> Any:
     try:
         return transformers.GPT2TokenizerFast.from_pretrained(hf_dir, local_files_only=True)
     except Exception as exc:
-        raise LlmkitError(f"{path}: cannot convert it ({_first_line(exc)})") from exc
+        raise LlmkitError(f"{path}: cannot convert it ({first_line(exc)})") from exc
 
 
 def _to_fast(transformers: Any, slow: Any, path: Path) -> Any:
@@ -300,9 +295,9 @@ def _to_fast(transformers: Any, slow: Any, path: Path) -> Any:
     try:
         backend = convert_slow_tokenizer(slow)
     except ImportError as exc:
-        raise _missing(path, getattr(exc, "name", None) or _first_line(exc)) from exc
+        raise _missing(path, getattr(exc, "name", None) or first_line(exc)) from exc
     except Exception as exc:
-        raise LlmkitError(f"{path}: cannot convert it ({_first_line(exc)})") from exc
+        raise LlmkitError(f"{path}: cannot convert it ({first_line(exc)})") from exc
     roles = {r: getattr(slow, r, None) for r in ROLES}
     fast = transformers.PreTrainedTokenizerFast(
         tokenizer_object=backend, **{k: str(v) for k, v in roles.items() if v}

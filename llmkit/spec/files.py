@@ -8,7 +8,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from llmkit.errors import LlmkitError, SpecError
+from llmkit.errors import LlmkitError, SpecError, first_line
 
 PRESETS_DIR = Path(__file__).with_name("presets")
 
@@ -74,7 +74,7 @@ def _yaml_message(exc: Exception) -> str:
     mark = getattr(exc, "problem_mark", None)
     if problem and mark is not None:
         return f"{problem} (line {mark.line + 1}, column {mark.column + 1})"
-    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return first_line(exc)
 
 
 def _check_depth(data: Any, p: Path) -> None:
