@@ -94,17 +94,19 @@ def peak_flops(device: torch.device, precision: str, cache: Path | None = None) 
     import json
 
     key = f"{cpu_name()}|threads {torch.get_num_threads()}|torch {torch.__version__}|{dtype}"
-    known: dict[str, Any] = {}
+    known: Any = {}
     with contextlib.suppress(OSError, ValueError):
         known = json.loads(cache.read_text())
-    flops = known.get(key) if isinstance(known, dict) else None
+    if not isinstance(known, dict):
+        known = {}
+    flops = known.get(key)
     if isinstance(flops, float) and flops > 0:
         return flops
     flops = measure_matmul_flops(dtype)
     with contextlib.suppress(OSError):  # a cache that cannot be written costs a measurement
         cache.parent.mkdir(parents=True, exist_ok=True)
         tmp = cache.with_name(f".{cache.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({**(known if isinstance(known, dict) else {}), key: flops}))
+        tmp.write_text(json.dumps({**known, key: flops}))
         os.replace(tmp, cache)
     return flops
 

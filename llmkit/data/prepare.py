@@ -98,20 +98,19 @@ def prepare_data(
     key = data_key(source_options, seed, files or "", tokenizer)
     cache_dir = Path(spec.data.cache_dir).expanduser() if spec.data.cache_dir else run_dir / "data"
     cache_dir.mkdir(parents=True, exist_ok=True)
+    paths = {split: cache_dir / f"{split}-{key}.bin" for split in SPLITS}
     found: dict[str, str] = {}  # split -> where its existing token file came from
-    for split in SPLITS:
-        path = cache_dir / f"{split}-{key}.bin"
+    for split, path in paths.items():
         if _reusable(path):
             found[split] = f"cached {path.name}"
         elif store is not None and store.fetch_tokens(path.name, cache_dir):
             found[split] = f"shared cache {store.root}"
-    tfs: dict[str, TokenFile] = {s: TokenFile(cache_dir / f"{s}-{key}.bin") for s in found}
+    tfs: dict[str, TokenFile] = {split: TokenFile(paths[split]) for split in found}
     if len(found) < len(SPLITS):
         splits.get()  # the corpus is needed (its summary is logged)
     elif not splits.loaded:  # nothing made from the corpus: its summary as it was then
         log(f"data: {tfs['train'].meta.get('source') or source.describe()}")
-    for split in SPLITS:
-        path = cache_dir / f"{split}-{key}.bin"
+    for split, path in paths.items():
         if split in found:
             log(f"data: {split}: {len(tfs[split]):,} tokens ({found[split]})")
             continue
@@ -187,14 +186,17 @@ def _tokenizer(
     tok_dict = tok_spec.model_dump(mode="json")
     recipe = recipe_key(source_options, seed, files, tok_dict, spec.model.vocab_size)
     kept = store.tokenizer(recipe)
+    if kept is not None:  # build_tokenizer then loads it
+        run_dir.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(kept, out)
+    tokenizer = build_tokenizer(
+        tok_spec, texts, out, spec.model.vocab_size, log=log if kept is None else None
+    )
     if kept is None:
-        tokenizer = build_tokenizer(tok_spec, texts, out, spec.model.vocab_size, log=log)
         _keep(log, store.keep_tokenizer, recipe, out)
-        return tokenizer
-    run_dir.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(kept, out)
-    tokenizer = build_tokenizer(tok_spec, texts, out, spec.model.vocab_size)  # loads ``out``
-    log(f"tokenizer: {tokenizer.kind}, {tokenizer.vocab_size} tokens, trained by an earlier run")
+    else:
+        what = f"{tokenizer.kind}, {tokenizer.vocab_size} tokens"
+        log(f"tokenizer: {what}, trained by an earlier run")
     return tokenizer
 
 
