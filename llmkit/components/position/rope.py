@@ -192,8 +192,7 @@ class RotaryPosition(PositionalScheme):
         self._register_tables("", freqs.inv_freq, ctx.max_seq_len)
         if freqs.long_inv_freq is not None:
             self._register_tables("long_", freqs.long_inv_freq, ctx.max_seq_len)
-        self._last: tuple[Tensor, int, Tensor, Tensor] | None = None
-        self._last_half: tuple[Tensor, Tensor, Tensor] | None = None
+        self._last: tuple[Tensor, int, tuple[Tensor, Tensor, Tensor, Tensor]] | None = None
 
     def _register_tables(self, prefix: str, inv_freq: Tensor, n: int) -> None:
         angles = torch.arange(n, dtype=torch.float64)[:, None] * inv_freq
@@ -208,14 +207,27 @@ class RotaryPosition(PositionalScheme):
         answer is kept for it (its identity and version), so they are computed once a forward,
         not once a layer (inference tensors, which have no version counter, and compiled code
         skip this)."""
+        cos, sin, _, _ = self._tables(positions)
+        return cos, sin
+
+    def _tables(self, positions: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """cos, sin and the tables the rotation multiplies by, kept for the last positions
+        (see :meth:`cos_sin`): for rotate-half (cos, cos) and (−sin, sin) side by side,
+        (..., rot_dim), so it is x·cos2 + swap(x)·sin2; for interleaved pairs cos and sin."""
         if positions.is_inference() or torch.compiler.is_compiling():
-            return self._cos_sin(positions)
+            return self._compute_tables(positions)
         last = self._last
         if last is not None and last[0] is positions and last[1] == positions._version:
-            return last[2], last[3]
+            return last[2]
+        tables = self._compute_tables(positions)
+        self._last = (positions, positions._version, tables)
+        return tables
+
+    def _compute_tables(self, positions: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         cos, sin = self._cos_sin(positions)
-        self._last = (positions, positions._version, cos, sin)
-        return cos, sin
+        if self.interleaved:
+            return cos, sin, cos, sin
+        return cos, sin, torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
 
     def _cos_sin(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         cos, sin = self._lookup(positions, self.inv_freq, self.cos_cached, self.sin_cached)
@@ -257,7 +269,7 @@ class RotaryPosition(PositionalScheme):
             x1, x2 = xf[..., 0::2], xf[..., 1::2]
             rotated = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
             rotated = rotated.flatten(-2).to(x.dtype)
-        else:  # cos, sin here are the full-width (…, r) tables of _RotateHalf
+        else:  # cos, sin here are the full-width (…, r) tables of _tables
             rotated = _RotateHalf.apply(x if r == x.shape[-1] else x[..., :r], cos, sin)
         if r == x.shape[-1]:
             return rotated
@@ -269,23 +281,10 @@ class RotaryPosition(PositionalScheme):
                 f"rotary built for head_dim {self.head_dim}, got q {tuple(q.shape)}, "
                 f"k {tuple(k.shape)}"
             )
-        cos, sin = self.cos_sin(positions)
-        if not self.interleaved:
-            cos, sin = self._half_tables(positions, cos, sin)
+        _, _, cos, sin = self._tables(positions)
         if positions.dim() == 2:  # (B, T, ·) → (B, 1, T, ·) to broadcast over heads
             cos, sin = cos[:, None], sin[:, None]
         return self._rotate_pairs(q, cos, sin), self._rotate_pairs(k, cos, sin)
-
-    def _half_tables(self, positions: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
-        """(cos, cos) and (−sin, sin) side by side, (…, rot_dim): rotate-half is then
-        x·cos2 + swap(x)·sin2. Kept with the last positions, as :meth:`cos_sin` keeps its."""
-        last = self._last_half
-        if last is not None and last[0] is cos:
-            return last[1], last[2]
-        cos2, sin2 = torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
-        if self._last is not None and self._last[2] is cos:  # only what cos_sin keeps
-            self._last_half = (cos, cos2, sin2)
-        return cos2, sin2
 
     def extra_repr(self) -> str:
         return (
