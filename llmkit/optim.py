@@ -15,11 +15,14 @@ learning rates (Muon's AdamW part) in proportion.
 from __future__ import annotations
 
 import math
+import sys
+from collections.abc import Callable
 from typing import Annotated, Any
 
 import torch
 from pydantic import Field
 from torch import nn
+from torch.optim.optimizer import _use_grad_for_differentiable
 
 from llmkit.contracts import ComponentOptions
 
@@ -95,6 +98,85 @@ def param_groups_for(model: nn.Module, options: OptimizerOptions) -> list[dict[s
         decay_norms_and_biases=options.decay_norms_and_biases,
         decay_embeddings=options.decay_embeddings,
     )
+
+
+def _wrapper_code(decorator: Callable[..., Any]) -> Any:
+    """The code object of the wrapper ``decorator`` puts around a function."""
+    return decorator(lambda *args, **kwargs: None).__code__
+
+
+#: Code of torch's wrappers that keep ``torch._dynamo`` out of an optimizer's methods (each
+#: imports dynamo on first call), and of the step's hooks wrapper. (``functools.wraps``
+#: copies the wrapped function's names, so the code object is what tells them apart.)
+_DYNAMO_WRAPPERS = (
+    _wrapper_code(torch._disable_dynamo),
+    _wrapper_code(_use_grad_for_differentiable),
+)
+_HOOK_WRAPPER = (_wrapper_code(torch.optim.Optimizer.profile_hook_step),)
+
+
+def dynamo_loaded() -> bool:
+    """Whether this process has imported ``torch._dynamo`` (nothing is compiled before)."""
+    return "torch._dynamo" in sys.modules
+
+
+def _strip(func: Callable[..., Any], wrappers: tuple[Any, ...]) -> Callable[..., Any]:
+    """``func`` without the outer wrappers whose code is in ``wrappers``."""
+    while getattr(func, "__code__", None) in wrappers and hasattr(func, "__wrapped__"):
+        func = func.__wrapped__
+    return func
+
+
+class EagerOptimizer(torch.optim.Optimizer):
+    """An optimizer base that imports no ``torch._dynamo`` while the process has not.
+
+    ``torch.optim`` wraps ``step``, ``zero_grad``, ``add_param_group``, ``state_dict`` and
+    ``load_state_dict`` so that dynamo leaves them alone when it traces, and each wrapper
+    imports dynamo (1–2 s with sympy, more than a small run's training) on its first call.
+    Code can only be traced once dynamo is imported, so until then these methods call torch's
+    own functions without the wrappers (``step`` under ``set_grad_enabled(differentiable)``,
+    as the wrapper sets it); once anything has imported dynamo (``torch.compile``) they call
+    the wrapped ones. Put it first among the bases: ``class AdamW(EagerOptimizer,
+    torch.optim.AdamW)``, or alone for an optimizer of one's own.
+    """
+
+    def _call(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        method = getattr(super(), name)
+        if dynamo_loaded():
+            return method(*args, **kwargs)
+        return _strip(method.__func__, _DYNAMO_WRAPPERS)(self, *args, **kwargs)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        self._call("add_param_group", param_group)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._call("zero_grad", set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._call("state_dict")
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._call("load_state_dict", state_dict)
+
+    def step(self, closure: Callable[[], float] | None = None) -> Any:  # type: ignore[override]
+        # The next class's step without its hooks wrapper (this class's step has its own).
+        step = _strip(super().step.__func__, _HOOK_WRAPPER)
+        if dynamo_loaded():
+            return step(self, closure)
+        with torch.set_grad_enabled(bool(self.defaults.get("differentiable", False))):
+            return _strip(step, _DYNAMO_WRAPPERS)(self, closure)
+
+
+class AdamW(EagerOptimizer, torch.optim.AdamW):
+    """``torch.optim.AdamW`` (see :class:`EagerOptimizer`)."""
+
+
+class SGD(EagerOptimizer, torch.optim.SGD):
+    """``torch.optim.SGD`` (see :class:`EagerOptimizer`)."""
+
+
+class Adafactor(EagerOptimizer, torch.optim.Adafactor):
+    """``torch.optim.Adafactor`` (see :class:`EagerOptimizer`)."""
 
 
 def set_initial_lr(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:

@@ -66,12 +66,9 @@ def load(path: str, sets: list[str] | None) -> Any:
 
 def build_on_meta(rs: Any) -> Any:
     """The spec's model with parameters on the meta device: shapes only, no memory."""
-    import torch
+    from llmkit.model import build_on_meta
 
-    from llmkit.model import build_model
-
-    with torch.device("meta"):
-        return build_model(rs)
+    return build_on_meta(rs)
 
 
 def ref(res: Any) -> str:

@@ -109,12 +109,9 @@ def _finite(value: Any) -> bool:
 def accounting(rs: Any) -> dict[str, int | float]:
     """Parameters (all, and without embeddings) and training FLOPs per token of the model a
     resolved spec describes, built on the meta device (no memory)."""
-    import torch
+    from llmkit.model import build_on_meta
 
-    from llmkit.model import build_model
-
-    with torch.device("meta"):
-        model = build_model(rs)
+    model = build_on_meta(rs)
     block = rs.spec.data.block_size or rs.model.max_seq_len
     return {
         "params": model.num_params(),

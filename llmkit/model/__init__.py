@@ -13,7 +13,14 @@ Blocks are components of the ``block`` kind (``llmkit/components/block/``) follo
 from llmkit.contracts import AttentionInputs, Block, BlockParts, QKTransform
 from llmkit.model.attention import Attention
 from llmkit.model.cache import KVCache, LayerCache
-from llmkit.model.transformer import ModelOutput, Transformer, build, build_model, build_problems
+from llmkit.model.transformer import (
+    ModelOutput,
+    Transformer,
+    build,
+    build_model,
+    build_on_meta,
+    build_problems,
+)
 
 __all__ = [
     "Attention",
@@ -27,5 +34,6 @@ __all__ = [
     "Transformer",
     "build",
     "build_model",
+    "build_on_meta",
     "build_problems",
 ]

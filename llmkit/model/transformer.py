@@ -28,6 +28,7 @@ from llmkit.errors import LlmkitError
 from llmkit.model import accounting
 from llmkit.model.attention import Attention
 from llmkit.model.cache import KVCache
+from llmkit.model.meta import meta_device
 from llmkit.spec import LayerPlan, Resolved, ResolvedSpec
 
 __all__ = ["ModelOutput", "Transformer", "build", "build_model"]
@@ -325,13 +326,30 @@ def build_model(rs: ResolvedSpec) -> Transformer:
     return Transformer(rs)
 
 
+def build_on_meta(rs: ResolvedSpec) -> Transformer:
+    """The spec's model on the meta device: shapes only, no memory, no values (built without
+    importing ``torch._dynamo`` where the build needs nothing of it: :mod:`.meta`)."""
+    try:
+        with meta_device() as stand_in:
+            model = build_model(rs)
+    except Exception:
+        if stand_in is None or not stand_in.missing:
+            raise
+    else:
+        if stand_in is None or not stand_in.missing:
+            return model
+    import torch._dynamo  # noqa: F401  (the build asked for more than the stand-in has)
+
+    with meta_device():
+        return build_model(rs)
+
+
 def build_problems(rs: ResolvedSpec) -> list[str]:
     """What stops the spec's model from being built — a component refusing its dimensions
     (RoPE on an odd head size) — found by building it on the meta device: no memory, no
     weights, before any data is read. Empty when it builds."""
     try:
-        with torch.device("meta"):
-            build_model(rs)
+        build_on_meta(rs)
     except (LlmkitError, ValueError) as exc:  # what components raise for bad dimensions
         return [str(exc)]
     except NotImplementedError:  # an op the meta device lacks: the real build will tell

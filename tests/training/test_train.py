@@ -6,6 +6,7 @@ import json
 import math
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -352,3 +353,38 @@ def test_data_errors_are_clear(tmp_path):
             overrides=[f'data.source.paths=["{tmp_path / "nope.txt"}"]'],
             **_quiet(),
         )
+
+
+_NO_DYNAMO = """
+import sys
+from llmkit.cli.app import main
+
+spec, run = sys.argv[1:]
+steps = [
+    ["train", spec, "--out", run, "--no-progress"],
+    ["train", "--resume", run, "--max-steps", "25", "--no-progress"],
+    ["eval", run],
+    ["generate", run, "--prompt", "First", "--max-new-tokens", "8", "--seed", "1"],
+]
+for argv in steps:
+    assert main(argv) == 0, argv
+print("torch._dynamo" in sys.modules)
+"""
+
+
+def test_training_resuming_and_generating_never_import_dynamo(tmp_path):
+    # torch.optim's wrappers and the meta-device check would import torch._dynamo (1–2 s of
+    # every start); a run that compiles nothing must not pay for it.
+    spec = write_spec(tmp_path, max_steps=20, eval_interval=10, checkpoint_interval=10)
+    run = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-c", _NO_DYNAMO, str(spec), str(run)],
+        cwd=ROOT,
+        env={**os.environ, "LLMKIT_PLUGINS": ""},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().endswith("False"), proc.stdout
+    assert len(losses(run)) == 25

@@ -6,7 +6,7 @@ import torch
 from pydantic import Field, field_validator
 from torch import nn
 
-from llmkit.optim import OptimizerOptions, param_groups_for, set_initial_lr
+from llmkit.optim import Adafactor, OptimizerOptions, param_groups_for, set_initial_lr
 
 
 class Options(OptimizerOptions):
@@ -37,7 +37,7 @@ def build(model: nn.Module, options: Options) -> torch.optim.Optimizer:
 
     Weight decay is decoupled: ``p ← p·(1 − lr·weight_decay)``.
     """
-    optimizer = torch.optim.Adafactor(
+    optimizer = Adafactor(
         param_groups_for(model, options),
         lr=options.lr,
         beta2_decay=options.beta2_decay,

@@ -6,7 +6,7 @@ import torch
 from pydantic import Field
 from torch import nn
 
-from llmkit.optim import Beta, OptimizerOptions, param_groups_for, set_initial_lr
+from llmkit.optim import AdamW, Beta, OptimizerOptions, param_groups_for, set_initial_lr
 
 
 class Options(OptimizerOptions):
@@ -42,7 +42,7 @@ def fused_supported(model: nn.Module) -> bool:
 
 def build(model: nn.Module, options: Options) -> torch.optim.Optimizer:
     """``torch.optim.AdamW`` over the model's decay / no-decay groups."""
-    optimizer = torch.optim.AdamW(
+    optimizer = AdamW(
         param_groups_for(model, options),
         lr=options.lr,
         betas=options.betas,

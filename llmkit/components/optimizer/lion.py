@@ -10,10 +10,10 @@ import torch
 from pydantic import Field
 from torch import Tensor, nn
 
-from llmkit.optim import Beta, OptimizerOptions, param_groups_for, set_initial_lr
+from llmkit.optim import Beta, EagerOptimizer, OptimizerOptions, param_groups_for, set_initial_lr
 
 
-class Lion(torch.optim.Optimizer):
+class Lion(EagerOptimizer):
     """Lion with decoupled weight decay.
 
     Per step: ``u = sign(β1·m + (1−β1)·g)``; ``p ← p − lr·(u + wd·p)``;

@@ -18,6 +18,7 @@ from torch import Tensor, nn
 
 from llmkit.optim import (
     Beta,
+    EagerOptimizer,
     OptimizerOptions,
     embedding_like,
     param_groups_for,
@@ -50,7 +51,7 @@ def newton_schulz(g: Tensor, steps: int = 5, *, dtype: torch.dtype | None = None
     return x.mT if tall else x
 
 
-class Muon(torch.optim.Optimizer):
+class Muon(EagerOptimizer):
     """Muon for groups with ``use_muon=True`` (2-D parameters only), AdamW for the others.
 
     Muon step: ``m ← μ·m + (1−μ)·g``; ``u = (1−μ)·g + μ·m`` if nesterov else ``m``;

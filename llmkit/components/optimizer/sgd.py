@@ -8,7 +8,7 @@ import torch
 from pydantic import Field, model_validator
 from torch import nn
 
-from llmkit.optim import Beta, OptimizerOptions, param_groups_for, set_initial_lr
+from llmkit.optim import SGD, Beta, OptimizerOptions, param_groups_for, set_initial_lr
 
 
 class Options(OptimizerOptions):
@@ -30,7 +30,7 @@ def build(model: nn.Module, options: Options) -> torch.optim.Optimizer:
 
     Weight decay is torch's coupled (L2) form, added to the gradient.
     """
-    optimizer = torch.optim.SGD(
+    optimizer = SGD(
         param_groups_for(model, options),
         lr=options.lr,
         momentum=options.momentum,

@@ -229,17 +229,14 @@ def points_from_runs(paths: Iterable[str | Path], *, all_evals: bool = False) ->
     mid-run evaluation of a cosine run is not the loss that run length would reach, and mixing
     such points biases the fit toward more tokens.
     """
-    import torch
-
-    from llmkit.model import build_model
+    from llmkit.model import build_on_meta
     from llmkit.runs import METRICS_FILE, open_run
 
     points = []
     for path in paths:
         run = open_run(path)
         rs = run.resolve()
-        with torch.device("meta"):
-            model = build_model(rs)
+        model = build_on_meta(rs)
         n = model.num_params(exclude_embeddings=True)
         block = rs.spec.data.block_size or rs.model.max_seq_len
         per_token = float(model.flops_per_token(block)["train"])
