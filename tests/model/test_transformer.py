@@ -125,14 +125,40 @@ def test_sliding_window_cache_keeps_only_the_window():
     assert all(layer.length == 4 for layer in cache.layers)
 
 
-def test_build_problems_finds_what_only_building_would():
-    from llmkit.model import build_problems
+@pytest.mark.parametrize("where", ["cpu", "meta"])
+def test_build_problems_finds_what_only_building_would(where, monkeypatch):
+    import llmkit.model.transformer as transformer
 
+    # A small model is built on the CPU, a large one on the meta device.
+    monkeypatch.setattr(transformer, "CHECK_ON_CPU_PARAMS", 10**9 if where == "cpu" else 0)
+    devices = []
+    real_build = transformer.build_model
+
+    def build(rs):
+        devices.append(torch.empty(0).device.type)
+        return real_build(rs)
+
+    monkeypatch.setattr(transformer, "build_model", build)
     good = load_spec_dict(tiny_spec(position={"name": "rope"}))
-    assert build_problems(good) == []
+    rng = torch.get_rng_state()
+    assert transformer.build_problems(good) == []
+    assert devices == [where]
+    assert torch.equal(torch.get_rng_state(), rng)  # a check draws no numbers of the run
     odd = load_spec_dict(tiny_spec(position={"name": "rope"}, d_model=36, n_heads=4))  # head 9
-    (problem,) = build_problems(odd)
+    (problem,) = transformer.build_problems(odd)
     assert "rotary dimensions must be a positive even number" in problem
+
+
+def test_rough_params_is_a_generous_estimate():
+    from llmkit.model.transformer import rough_params
+
+    for spec in (
+        tiny_spec(),
+        tiny_spec(ffn={"name": "swiglu"}, vocab_size=1000),
+        tiny_spec(ffn={"name": "moe", "num_experts": 4}),
+    ):
+        rs = load_spec_dict(spec)
+        assert build_model(rs).num_params() <= rough_params(rs) <= 3 * build_model(rs).num_params()
 
 
 def test_build_problems_leaves_what_meta_cannot_run_to_the_real_build(monkeypatch):
@@ -142,6 +168,7 @@ def test_build_problems_leaves_what_meta_cannot_run_to_the_real_build(monkeypatc
         raise NotImplementedError("aten::some_op has no meta kernel")
 
     monkeypatch.setattr(transformer, "build_model", meta_lacks_an_op)
+    monkeypatch.setattr(transformer, "CHECK_ON_CPU_PARAMS", 0)
     spec = load_spec_dict(tiny_spec(position={"name": "rope"}))
     assert transformer.build_problems(spec) == []  # not a problem of the spec
 
