@@ -1,0 +1,116 @@
+"""Attention with dropout on the CPU: against float64 autograd with the same keep mask."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from llmkit.components.attention.sdpa import SDPAttention, SDPAttentionOptions
+from llmkit.components.position.alibi import alibi_slopes
+from llmkit.contracts import BuildContext, DistanceBias
+from llmkit.kernels import attention_dropout
+from llmkit.kernels.attention_dropout import applies, dropout_attention, keep_mask
+from llmkit.ops import attention_mask
+
+
+def _reference(q, k, v, keep, p, *, causal, bias, pad):
+    """softmax(q kᵀ/√d + bias, masked) ∘ keep/(1−p) · v by plain autograd, GQA expanded."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+    tq, tk = q.shape[2], k.shape[2]
+    s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    if bias is not None:
+        s = s + bias.dense(tq, tk, causal=causal).to(s.dtype)[None]
+    mask, empty = attention_mask(tq, tk, causal=causal, key_padding_mask=pad, device=q.device)
+    if mask is not None:
+        s = s.masked_fill(~mask, -math.inf)
+    out = (torch.softmax(s, -1) * keep / (1 - p)) @ v
+    return out if empty is None else out.masked_fill(empty, 0.0)
+
+
+CASES = {
+    "causal": dict(tq=12, tk=12, hkv=4),
+    "cached-keys": dict(tq=5, tk=12, hkv=4),
+    "gqa": dict(tq=12, tk=12, hkv=2),
+    "not-causal": dict(tq=12, tk=12, hkv=4, causal=False),
+    "alibi": dict(tq=12, tk=12, hkv=4, alibi=True),
+    "left-padding": dict(tq=12, tk=12, hkv=4, pad=True),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_matches_float64_autograd_with_the_same_mask(case):
+    c = {"causal": True, "alibi": False, "pad": False, **CASES[case]}
+    b, hq, d, p = 2, 4, 8, 0.3
+    gen = torch.Generator().manual_seed(0)
+
+    def leaf(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64).requires_grad_()
+
+    q, k, v = leaf(b, hq, c["tq"], d), leaf(b, c["hkv"], c["tk"], d), leaf(b, c["hkv"], c["tk"], d)
+    slopes = torch.tensor(alibi_slopes(hq), dtype=torch.float64).requires_grad_()
+    bias = DistanceBias(slopes) if c["alibi"] else None
+    pad = None
+    if c["pad"]:
+        pad = torch.ones(b, c["tk"], dtype=torch.bool)
+        pad[1, :4] = False  # sequence 1 starts with 4 padding keys: its first rows see nothing
+    grad = torch.randn(b, hq, c["tq"], d, generator=gen, dtype=torch.float64)
+
+    torch.manual_seed(7)
+    out = dropout_attention(
+        q, k, v, dropout_p=p, causal=c["causal"], bias=bias, key_padding_mask=pad
+    )
+    leaves = (q, k, v, slopes) if c["alibi"] else (q, k, v)
+    got = torch.autograd.grad(out, leaves, grad)
+    torch.manual_seed(7)
+    keep = keep_mask((b, hq, c["tq"], c["tk"]), p)
+    assert 0 < keep.sum() < keep.numel()
+    ref = _reference(q, k, v, keep, p, causal=c["causal"], bias=bias, pad=pad)
+    want = torch.autograd.grad(ref, leaves, grad)
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
+    for g_got, g_want in zip(got, want, strict=True):
+        assert torch.isfinite(g_got).all()
+        torch.testing.assert_close(g_got, g_want, rtol=1e-9, atol=1e-11)
+
+
+@pytest.mark.parametrize("p", [0.1, 0.2, 0.5])
+def test_keep_mask_drops_p_of_the_elements_in_every_lane(p):
+    torch.manual_seed(0)
+    keep = keep_mask((1 << 20,), p)
+    sigma = math.sqrt(p * (1 - p) / keep.numel())
+    assert abs((1 - keep.float().mean().item()) - p) < 5 * sigma
+    # Each int64 word gives four elements: every lane must drop p on its own.
+    lanes = keep.view(-1, 4).float().mean(0)
+    assert ((1 - lanes) - p).abs().max().item() < 5 * sigma * 2
+
+
+def test_the_mask_follows_torchs_seed():
+    torch.manual_seed(3)
+    a = keep_mask((64, 64), 0.2)
+    torch.manual_seed(3)
+    assert torch.equal(a, keep_mask((64, 64), 0.2))
+    assert not torch.equal(a, keep_mask((64, 64), 0.2))
+
+
+def test_sdpa_component_takes_it_in_training_on_the_cpu_only(monkeypatch):
+    calls: list[torch.dtype] = []
+    real = attention_dropout.dropout_attention
+
+    def counting(q, *args, **kwargs):
+        calls.append(q.dtype)
+        return real(q, *args, **kwargs)
+
+    monkeypatch.setattr(attention_dropout, "dropout_attention", counting)
+    ctx = BuildContext(d_model=32, n_heads=4, n_kv_heads=4, head_dim=8, max_seq_len=16, n_layers=1)
+    kernel = SDPAttention(SDPAttentionOptions(dropout=0.2), ctx)
+    q = k = v = torch.randn(2, 4, 16, 8)
+    kernel.train()
+    out = kernel(q, k, v)
+    assert calls == [torch.float32] and out.shape == q.shape
+    kernel(q.bfloat16(), k.bfloat16(), v.bfloat16())  # bf16 stays on SDPA
+    kernel.eval()
+    kernel(q, k, v)  # no dropout: SDPA's fused path
+    assert calls == [torch.float32]
+    assert applies(q, 0.2) and not applies(q, 0.0) and not applies(q.half(), 0.2)
