@@ -101,3 +101,33 @@ def test_optimizer_step(benchmark, record, options):
     benchmark(opt.step)
     assert not torch.equal(model.layers[0].ffn.in_proj.weight, before)
     benchmark.extra_info["parameters"] = sum(p.numel() for p in model.parameters())
+
+
+#: (B, H, L, D): the baby GPT's attention (nanoGPT's shakespeare-char config) in full mode.
+DROPOUT_SHAPE = (16, 6, 256, 64) if FULL else (2, 2, 64, 32)
+
+
+@pytest.mark.benchmark(group="attention-dropout")
+@pytest.mark.parametrize("path", ["sdpa-math-path", "llmkit-attention-dropout"])
+def test_attention_dropout_forward_backward(benchmark, path):
+    """Causal attention with dropout 0.2 on the probabilities, fwd+bwd: torch's SDPA (which
+    leaves its fused kernel for the math path when dropout is on, on a CPU) against
+    :mod:`llmkit.kernels.attention_dropout`, which the ``sdpa`` component runs there."""
+    from llmkit.kernels.attention_dropout import dropout_attention
+
+    q, k, v = (torch.randn(*DROPOUT_SHAPE, requires_grad=True) for _ in range(3))
+    grad = torch.randn(*DROPOUT_SHAPE)
+
+    def step():
+        if path == "sdpa-math-path":
+            out = torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, dropout_p=0.2, is_causal=True
+            )
+        else:
+            out = dropout_attention(q, k, v, dropout_p=0.2)
+        out.backward(grad)
+        return out
+
+    out = benchmark(step)
+    assert out.shape == q.shape and torch.isfinite(out).all()
+    assert (q.grad != 0).any()
