@@ -29,6 +29,7 @@ __all__ = [
     "check_shapes",
     "reference_attention",
     "sdpa_attention",
+    "sdpa_mask",
 ]
 
 #: ``enable_gqa`` exists from torch 2.5 on.
@@ -152,6 +153,27 @@ def _expand_kv(x: Tensor, groups: int) -> Tensor:
     return x[:, :, None].expand(b, h, groups, t, d).reshape(b, h * groups, t, d)
 
 
+def sdpa_mask(
+    q: Tensor,
+    tk: int,
+    *,
+    causal: bool,
+    bias: DistanceBias | None,
+    key_padding_mask: Tensor | None,
+) -> tuple[Tensor | None, Tensor | None]:
+    """The ``attn_mask`` of an SDPA call for queries ``q`` over ``tk`` keys: the boolean
+    :func:`attention_mask`, or with a distance bias that bias (1, H, Tq, Tk) in q's dtype with
+    −inf where the mask says no; and the empty rows (see :func:`attention_mask`)."""
+    tq = q.shape[2]
+    mask, empty = attention_mask(
+        tq, tk, causal=causal, key_padding_mask=key_padding_mask, device=q.device
+    )
+    if bias is None:
+        return mask, empty
+    dense_bias = bias.dense(tq, tk, causal=causal).to(device=q.device, dtype=q.dtype)[None]
+    return (dense_bias if mask is None else dense_bias.masked_fill(~mask, float("-inf"))), empty
+
+
 def sdpa_attention(
     q: Tensor,
     k: Tensor,
@@ -181,13 +203,7 @@ def sdpa_attention(
             q, k, v, dropout_p=dropout_p, is_causal=causal and tq > 1, **kwargs
         )
 
-    mask, empty = attention_mask(
-        tq, tk, causal=causal, key_padding_mask=key_padding_mask, device=q.device
-    )
-    attn_mask: Tensor | None = mask
-    if bias is not None:
-        dense_bias = bias.dense(tq, tk, causal=causal).to(device=q.device, dtype=q.dtype)[None]
-        attn_mask = dense_bias if mask is None else dense_bias.masked_fill(~mask, float("-inf"))
+    attn_mask, empty = sdpa_mask(q, tk, causal=causal, bias=bias, key_padding_mask=key_padding_mask)
     # With an explicit mask the memory-efficient backend is the fast one, and it does not take
     # ``enable_gqa``; expanding K/V (O(T·D)) is far cheaper than the math backend's O(T²).
     k, v = _expand_kv(k, groups), _expand_kv(v, groups)

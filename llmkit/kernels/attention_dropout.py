@@ -27,7 +27,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from llmkit.contracts import DistanceBias
-from llmkit.ops import _expand_kv, attention_mask, check_shapes
+from llmkit.ops import _expand_kv, check_shapes, sdpa_mask
 
 #: Random bits drawn for each element's keep/drop decision.
 BITS = 16
@@ -104,15 +104,14 @@ def dropout_attention(
     probabilities; see the module docstring."""
     groups = check_shapes(q, k, v)
     tq, tk = q.shape[2], k.shape[2]
-    mask, empty = attention_mask(
-        tq, tk, causal=causal, key_padding_mask=key_padding_mask, device=q.device
-    )
-    # Additive, (B or 1, H or 1, Tq, Tk): the distance bias, −inf where the mask says no.
-    additive = q.new_zeros(1, 1, tq, tk)
-    if bias is not None:
-        additive = bias.dense(tq, tk, causal=causal).to(device=q.device, dtype=q.dtype)[None]
-    if mask is not None:
-        additive = torch.where(mask, additive, float("-inf"))
+    mask, empty = sdpa_mask(q, tk, causal=causal, bias=bias, key_padding_mask=key_padding_mask)
+    # Additive, (B or 1, H or 1, Tq, Tk): the bias, or 0 / −inf from a boolean mask.
+    if mask is None:
+        additive = q.new_zeros(1, 1, tq, tk)
+    elif mask.dtype == torch.bool:
+        additive = torch.zeros_like(mask, dtype=q.dtype).masked_fill_(~mask, float("-inf"))
+    else:
+        additive = mask
     k, v = _expand_kv(k, groups), _expand_kv(v, groups)
     out = DropoutAttention.apply(q, k, v, additive, dropout_p)
     if empty is not None:
