@@ -14,7 +14,8 @@ analytic one: dV = (P∘keep)ᵀ·dO/(1−p), dS = P ∘ (dP̃∘keep/(1−p) �
 δ = rowsum(dO ∘ O), dQ = dS·k/√d, dK = dSᵀ·q/√d (and the bias gets dS, summed over its
 broadcast dimensions, when it needs a gradient).
 
-Only fp32 and fp64 tensors take this path (see :func:`applies`); bf16 and fp16 keep SDPA's.
+bf16 and fp16 tensors are computed in fp32 (autocast off inside) and the output cast back,
+as SDPA's math path does with them on a CPU.
 """
 
 from __future__ import annotations
@@ -35,8 +36,8 @@ BITS = 16
 
 def applies(q: Tensor, dropout_p: float) -> bool:
     """Whether :func:`dropout_attention` is the path for these queries: dropout on, a CPU
-    tensor in fp32 or fp64."""
-    return dropout_p > 0.0 and q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64)
+    tensor."""
+    return dropout_p > 0.0 and q.device.type == "cpu"
 
 
 def keep_mask(shape: tuple[int, ...], p: float, device: torch.device | str = "cpu") -> Tensor:
@@ -57,6 +58,11 @@ class DropoutAttention(torch.autograd.Function):
     def forward(  # type: ignore[override]
         ctx: Any, q: Tensor, k: Tensor, v: Tensor, bias: Tensor, p: float
     ) -> Tensor:
+        with torch.autocast("cpu", enabled=False):
+            return DropoutAttention._forward(ctx, q, k, v, bias, p)
+
+    @staticmethod
+    def _forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, bias: Tensor, p: float) -> Tensor:
         scale = 1.0 / math.sqrt(q.shape[-1])
         b, h, tq, _ = q.shape
         s = q.new_empty(b, h, tq, k.shape[2])
@@ -74,6 +80,11 @@ class DropoutAttention(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        with torch.autocast("cpu", enabled=False):
+            return DropoutAttention._backward(ctx, grad)
+
+    @staticmethod
+    def _backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
         q, k, v, prob, keep, out = ctx.saved_tensors
         inv = 1.0 / (1.0 - ctx.p)
         grad = grad.contiguous()
@@ -103,6 +114,9 @@ def dropout_attention(
     alignment, GQA, a distance bias, key padding) with dropout ``dropout_p`` on the
     probabilities; see the module docstring."""
     groups = check_shapes(q, k, v)
+    dtype = q.dtype
+    if dtype not in (torch.float32, torch.float64):
+        q, k, v = q.float(), k.float(), v.float()
     tq, tk = q.shape[2], k.shape[2]
     mask, empty = sdpa_mask(q, tk, causal=causal, bias=bias, key_padding_mask=key_padding_mask)
     # Additive, (B or 1, H or 1, Tq, Tk): the bias, or 0 / −inf from a boolean mask.
@@ -116,4 +130,4 @@ def dropout_attention(
     out = DropoutAttention.apply(q, k, v, additive, dropout_p)
     if empty is not None:
         out = out.masked_fill(empty, 0.0)
-    return out
+    return out.to(dtype)

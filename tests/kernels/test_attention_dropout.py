@@ -109,8 +109,30 @@ def test_sdpa_component_takes_it_in_training_on_the_cpu_only(monkeypatch):
     kernel.train()
     out = kernel(q, k, v)
     assert calls == [torch.float32] and out.shape == q.shape
-    kernel(q.bfloat16(), k.bfloat16(), v.bfloat16())  # bf16 stays on SDPA
+    assert kernel(q.bfloat16(), k.bfloat16(), v.bfloat16()).dtype == torch.bfloat16
     kernel.eval()
     kernel(q, k, v)  # no dropout: SDPA's fused path
-    assert calls == [torch.float32]
-    assert applies(q, 0.2) and not applies(q, 0.0) and not applies(q.half(), 0.2)
+    assert calls == [torch.float32, torch.bfloat16]
+    assert applies(q, 0.2) and applies(q.half(), 0.2) and not applies(q, 0.0)
+    assert not applies(q.to("meta"), 0.2)
+
+
+def test_low_precision_is_computed_in_fp32_even_under_autocast():
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(2, 4, 16, 8, generator=gen) for _ in range(3))
+    low = [t.bfloat16().requires_grad_() for t in (q, k, v)]
+    full = [t.bfloat16().float().requires_grad_() for t in (q, k, v)]
+    torch.manual_seed(5)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = dropout_attention(*low, dropout_p=0.25)
+    torch.manual_seed(5)
+    ref = dropout_attention(*full, dropout_p=0.25)
+    assert out.dtype == torch.bfloat16
+    # fp32 inside: the only difference is the final rounding to bf16.
+    torch.testing.assert_close(out, ref.bfloat16(), rtol=0, atol=0)
+    grad = torch.randn(ref.shape, generator=gen)
+    out.backward(grad.bfloat16())
+    ref.backward(grad.bfloat16().float())
+    for a, b in zip(low, full, strict=True):
+        assert a.grad.dtype == torch.bfloat16
+        torch.testing.assert_close(a.grad, b.grad.bfloat16(), rtol=0, atol=0)

@@ -4,7 +4,7 @@ PyTorch dispatches to FlashAttention (Dao et al. 2022), memory-efficient attenti
 (Rabe & Staats 2021, xFormers) or its math backend. The call itself is
 :func:`llmkit.ops.sdpa_attention`: plain causal attention without a bias or padding takes the
 ``is_causal`` fast path (flash-eligible); anything else passes an explicit
-bottom-right-aligned mask. In training with ``dropout > 0`` on a CPU (fp32/fp64), where SDPA
+bottom-right-aligned mask. In training with ``dropout > 0`` on a CPU, where SDPA
 would leave its fused kernel for the math path, :mod:`llmkit.kernels.attention_dropout` runs
 instead (same contract, a cheaper dropout mask).
 """
