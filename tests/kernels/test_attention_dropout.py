@@ -11,7 +11,13 @@ from llmkit.components.attention.sdpa import SDPAttention, SDPAttentionOptions
 from llmkit.components.position.alibi import alibi_slopes
 from llmkit.contracts import BuildContext, DistanceBias
 from llmkit.kernels import attention_dropout
-from llmkit.kernels.attention_dropout import applies, dropout_attention, keep_mask
+from llmkit.kernels.attention_dropout import (
+    applies,
+    dropout_attention,
+    keep_mask,
+    keep_masks,
+    row_blocks,
+)
 from llmkit.ops import attention_mask
 
 
@@ -40,8 +46,21 @@ CASES = {
 }
 
 
+def _full_keep(b, h, tq, tk, p, causal):
+    """The keep mask of a call drawn now, as one (B, H, Tq, Tk) tensor (False above the
+    blocks, whose probabilities are zero anyway)."""
+    blocks = row_blocks(tq, tk, causal)
+    keep = torch.zeros(b, h, tq, tk, dtype=torch.bool)
+    shapes = [(b, h, r1 - r0, keys) for r0, r1, keys in blocks]
+    for (r0, r1, keys), m in zip(blocks, keep_masks(shapes, p), strict=True):
+        keep[:, :, r0:r1, :keys] = m
+    return keep
+
+
+@pytest.mark.parametrize("block_rows", [4, 64], ids=["row-blocks", "one-block"])
 @pytest.mark.parametrize("case", CASES)
-def test_matches_float64_autograd_with_the_same_mask(case):
+def test_matches_float64_autograd_with_the_same_mask(case, block_rows, monkeypatch):
+    monkeypatch.setattr(attention_dropout, "BLOCK_ROWS", block_rows)
     c = {"causal": True, "alibi": False, "pad": False, **CASES[case]}
     b, hq, d, p = 2, 4, 8, 0.3
     gen = torch.Generator().manual_seed(0)
@@ -65,7 +84,7 @@ def test_matches_float64_autograd_with_the_same_mask(case):
     leaves = (q, k, v, slopes) if c["alibi"] else (q, k, v)
     got = torch.autograd.grad(out, leaves, grad)
     torch.manual_seed(7)
-    keep = keep_mask((b, hq, c["tq"], c["tk"]), p)
+    keep = _full_keep(b, hq, c["tq"], c["tk"], p, c["causal"])
     assert 0 < keep.sum() < keep.numel()
     ref = _reference(q, k, v, keep, p, causal=c["causal"], bias=bias, pad=pad)
     want = torch.autograd.grad(ref, leaves, grad)
@@ -84,6 +103,15 @@ def test_keep_mask_drops_p_of_the_elements_in_every_lane(p):
     # Each int64 word gives four elements: every lane must drop p on its own.
     lanes = keep.view(-1, 4).float().mean(0)
     assert ((1 - lanes) - p).abs().max().item() < 5 * sigma * 2
+
+
+def test_causal_row_blocks_cover_every_row_and_its_keys():
+    assert row_blocks(256, 256, causal=False) == [(0, 256, 256)]
+    assert row_blocks(100, 100, causal=True) == [(0, 100, 100)]
+    blocks = row_blocks(256, 300, causal=True)
+    assert [(r0, r1) for r0, r1, _ in blocks] == [(0, 64), (64, 128), (128, 192), (192, 256)]
+    assert [keys for *_, keys in blocks] == [108, 172, 236, 300]  # up to the block's last query
+    assert len(row_blocks(4096, 4096, causal=True)) == 4
 
 
 def test_the_mask_follows_torchs_seed():
