@@ -27,6 +27,7 @@ __all__ = [
     "HAS_ENABLE_GQA",
     "attention_mask",
     "check_shapes",
+    "expand_kv",
     "reference_attention",
     "sdpa_attention",
     "sdpa_mask",
@@ -145,7 +146,7 @@ def reference_attention(
     return out.view(b, hq, tq, d).to(q.dtype)
 
 
-def _expand_kv(x: Tensor, groups: int) -> Tensor:
+def expand_kv(x: Tensor, groups: int) -> Tensor:
     """(B, Hkv, T, D) → (B, Hkv·groups, T, D), each kv head repeated for its query group."""
     if groups == 1:
         return x
@@ -198,7 +199,7 @@ def sdpa_attention(
         if groups > 1 and HAS_ENABLE_GQA:
             kwargs["enable_gqa"] = True
         elif groups > 1:
-            k, v = _expand_kv(k, groups), _expand_kv(v, groups)
+            k, v = expand_kv(k, groups), expand_kv(v, groups)
         return F.scaled_dot_product_attention(
             q, k, v, dropout_p=dropout_p, is_causal=causal and tq > 1, **kwargs
         )
@@ -206,7 +207,7 @@ def sdpa_attention(
     attn_mask, empty = sdpa_mask(q, tk, causal=causal, bias=bias, key_padding_mask=key_padding_mask)
     # With an explicit mask the memory-efficient backend is the fast one, and it does not take
     # ``enable_gqa``; expanding K/V (O(T·D)) is far cheaper than the math backend's O(T²).
-    k, v = _expand_kv(k, groups), _expand_kv(v, groups)
+    k, v = expand_kv(k, groups), expand_kv(v, groups)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p)
     if empty is not None:
         out = out.masked_fill(empty, 0.0)

@@ -8,8 +8,10 @@ B 16, H 6, L 256 on a 2-core EPYC): most of what attention dropout costs a baby-
 
 Here the keep mask comes from 16 random bits an element (:func:`keep_mask`: ``random_`` on
 int64 words, each cut into four int16 lanes, 15 ms for the same shape), so the dropout rate
-is ``p`` rounded to a multiple of 1/65536 (0.2 → 0.199997). The forward keeps the
-probabilities (fp32) and the mask (bool), as the math path does; the backward is the
+is ``p`` rounded to a multiple of 1/65536 (0.2 → 0.199997). A causal call runs in up to
+four blocks of query rows, each against the keys up to its last query (:func:`row_blocks`),
+skipping most of the masked upper triangle. The forward keeps the probabilities (in the
+compute dtype) and the mask (bool), as the math path does; the backward is the
 analytic one: dV = (P∘keep)ᵀ·dO/(1−p), dS = P ∘ (dP̃∘keep/(1−p) − δ) with dP̃ = dO·vᵀ and
 δ = rowsum(dO ∘ O), dQ = dS·k/√d, dK = dSᵀ·q/√d (and the bias gets dS, summed over its
 broadcast dimensions, when it needs a gradient).
@@ -29,7 +31,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from llmkit.contracts import DistanceBias
-from llmkit.ops import _expand_kv, check_shapes, sdpa_mask
+from llmkit.ops import check_shapes, expand_kv, sdpa_mask
 
 #: Random bits drawn for each element's keep/drop decision.
 BITS = 16
@@ -174,7 +176,7 @@ def dropout_attention(
         additive = torch.zeros_like(mask, dtype=q.dtype).masked_fill_(~mask, float("-inf"))
     else:
         additive = mask
-    k, v = _expand_kv(k, groups), _expand_kv(v, groups)
+    k, v = expand_kv(k, groups), expand_kv(v, groups)
     out = DropoutAttention.apply(q, k, v, additive, dropout_p, causal)
     if empty is not None:
         out = out.masked_fill(empty, 0.0)
