@@ -12,7 +12,6 @@ from typing import Any
 from llmkit.cli.common import (
     EXIT_USER_ERROR,
     add_set,
-    build_on_meta,
     console,
     load,
     registry,
@@ -374,6 +373,7 @@ def run_validate(args: argparse.Namespace) -> int:
     from rich.markup import escape
 
     from llmkit.errors import SpecError
+    from llmkit.model import build_problems
 
     warn_failures(registry())
     failed = 0
@@ -389,12 +389,13 @@ def run_validate(args: argparse.Namespace) -> int:
             failed += 1
             err.print(f"[red]✗[/] {escape(str(exc))}", markup=True)
             continue
-        try:  # what only the components know (e.g. RoPE's even rotary dims): build, on meta
-            build_on_meta(rs)
-        except LlmkitError as exc:
+        # What only the components know (e.g. RoPE's even rotary dims): build it.
+        problems = build_problems(rs)
+        if problems:
             failed += 1
             err.print(
-                f"[red]✗[/] {escape(str(path))}: the model does not build: {escape(str(exc))}",
+                f"[red]✗[/] {escape(str(path))}: the model does not build: "
+                f"{escape('; '.join(problems))}",
                 markup=True,
             )
             continue

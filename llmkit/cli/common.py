@@ -64,13 +64,6 @@ def load(path: str, sets: list[str] | None) -> Any:
     return load_spec(path, sets or [])
 
 
-def build_on_meta(rs: Any) -> Any:
-    """The spec's model with parameters on the meta device: shapes only, no memory."""
-    from llmkit.model import build_on_meta
-
-    return build_on_meta(rs)
-
-
 def ref(res: Any) -> str:
     """A resolved component as ``name(option=value, ...)``, non-default options only."""
     opts = res.options.model_dump(exclude_defaults=True)

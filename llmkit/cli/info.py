@@ -18,7 +18,6 @@ from typing import Any
 from llmkit.cli.common import (
     add_set,
     at_least,
-    build_on_meta,
     console,
     human,
     human_bytes,
@@ -97,6 +96,8 @@ def spec_source(arg: str) -> str:
 
 
 def run_info(args: argparse.Namespace) -> int:
+    from llmkit.model import build_on_meta
+
     rs = load(spec_source(args.spec), args.set)
     model = build_on_meta(rs)
     kinds = list(registry().kinds.values())

@@ -462,7 +462,7 @@ class _Backward:
         self.dk_result, self.dk = lay.new_keys(k)
         self.dv_result, self.dv = lay.new_keys(v)
 
-    def _ds(self, f0: int, f1: int, p: Tensor, out: Tensor) -> Tensor:
+    def _ds(self, f0: int, f1: int, out: Tensor) -> Tensor:
         """dP·scale of chunks f0 … f1−1 in ``out`` (contiguous), minus δ·scale,
         δ = rowsum(dO ∘ O), in one ``baddbmm`` (δ as its input, expanded); the caller
         multiplies by P."""
@@ -480,7 +480,7 @@ class _Backward:
             m = f1 - f0
             ks = self.keys.spans(f0, f1)
             p = lay.probs(self.qf[f0:f1], ks, f0, f1, lay.scores(state["p"], m))
-            ds = self._ds(f0, f1, p, lay.scores(state["ds"], m)).mul_(p)
+            ds = self._ds(f0, f1, lay.scores(state["ds"], m)).mul_(p)
             torch.bmm(ds, ks, out=self.dq[f0:f1])
             start = f0 * lay.tk + lay.first
             rows = _windows(self.dk, start, lay.tk, m, lay.kc)
@@ -536,7 +536,7 @@ class _Backward:
             ks = self.keys.spans(f0, f1)
             scores = lay.scores(sbuf, m)
             p = grid(pg, base + n, m).copy_(lay.probs(self.qf[f0:f1], ks, f0, f1, scores))
-            ds = torch.mul(self._ds(f0, f1, p, scores), p, out=grid(dsg, base + n, m))
+            ds = torch.mul(self._ds(f0, f1, scores), p, out=grid(dsg, base + n, m))
             torch.bmm(ds, ks, out=self.dq[f0:f1])
             # Key chunks f0−n … f1−n−1 now have all their query chunks in the buffers.
             k0, k1 = max(f0 - n, p0), f1 - n

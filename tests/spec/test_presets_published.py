@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from llmkit.cli import main
-from llmkit.cli.common import build_on_meta
+from llmkit.model import build_on_meta
 from llmkit.spec import load_spec, presets
 from tests.conftest import SPECS
 
