@@ -113,6 +113,11 @@ def test_mlflow_run_in_a_local_store_holds_the_metrics_and_the_spec(tmp_path):
 def test_wandb_runs_offline_in_the_run_directory(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_SILENT", "true")
     run = run_with(tmp_path, '[{name="wandb", project="unit"}]')
+    # ``run.finish()`` returns once the run is complete; the service may still hold the last
+    # block of the transaction log until it shuts down, which a CLI run's exit does (atexit).
+    import wandb
+
+    wandb.teardown()
     (offline,) = (run / "wandb").glob("offline-run-*")
     (data,) = offline.glob("run-*.wandb")
     blob = data.read_bytes()
