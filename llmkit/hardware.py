@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -11,6 +10,7 @@ from typing import Any
 import torch
 
 from llmkit.errors import LlmkitError
+from llmkit.files import replacing
 
 # Dense bf16 tensor-core peaks (FLOP/s) from the vendors' data sheets.
 GPU_PEAKS = {
@@ -105,9 +105,8 @@ def peak_flops(device: torch.device, precision: str, cache: Path | None = None) 
     flops = measure_matmul_flops(dtype)
     with contextlib.suppress(OSError):  # a cache that cannot be written costs a measurement
         cache.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cache.with_name(f".{cache.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({**known, key: flops}))
-        os.replace(tmp, cache)
+        with replacing(cache) as tmp:
+            tmp.write_text(json.dumps({**known, key: flops}))
     return flops
 
 

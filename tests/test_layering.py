@@ -18,8 +18,8 @@ PLUGINS = ROOT / "plugins"
 #: The layers, lowest first. A module may import its own layer and every layer below it.
 LAYERS: list[tuple[str, ...]] = [
     # contracts: what components, kernels, the model and plugins rely on; hardware: device
-    # choice (imports only errors)
-    ("contracts", "ops", "optim", "errors", "hookspecs", "hardware", "records"),
+    # choice (imports only errors, files); files: atomic writes, full disks
+    ("contracts", "ops", "optim", "errors", "files", "hookspecs", "hardware", "records"),
     ("registry",),  # the plugin host
     ("components", "kernels"),
     ("spec", "model"),

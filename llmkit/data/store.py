@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from llmkit.data.tokens import DOCS_SUFFIX, FORMAT_VERSION, MASK_SUFFIX, _reusable, sidecar
+from llmkit.files import replacing
 
 #: Environment variable naming the store's directory.
 CACHE_ENV = "LLMKIT_CACHE_DIR"
@@ -90,8 +91,7 @@ def _place(files: list[Path], dst_dir: Path, copy_limit: int | None) -> None:
     copied = 0
     for src in files:
         final = dst_dir / src.name
-        tmp = final.with_name(f".{final.name}.{os.getpid()}.tmp")
-        try:
+        with replacing(final) as tmp:
             try:
                 os.link(src, tmp)
             except OSError as exc:
@@ -100,9 +100,6 @@ def _place(files: list[Path], dst_dir: Path, copy_limit: int | None) -> None:
                     too_big = f"{src.name}: copies over {copy_limit:,} bytes are not kept"
                     raise OSError(too_big) from exc
                 shutil.copy2(src, tmp)
-            os.replace(tmp, final)
-        finally:
-            tmp.unlink(missing_ok=True)
 
 
 class DataStore:
@@ -120,12 +117,8 @@ class DataStore:
         """Store the tokenizer file ``src`` for ``recipe`` (a copy: the run's may change)."""
         final = self.root / "tokenizers" / f"{recipe}.json"
         final.parent.mkdir(parents=True, exist_ok=True)
-        tmp = final.with_name(f".{final.name}.{os.getpid()}.tmp")
-        try:
+        with replacing(final) as tmp:
             shutil.copyfile(src, tmp)
-            os.replace(tmp, final)
-        finally:
-            tmp.unlink(missing_ok=True)
 
     def fetch_tokens(self, name: str, dst_dir: Path) -> bool:
         """Place the stored token file ``name`` (``<split>-<key>.bin``) in ``dst_dir``;

@@ -15,12 +15,12 @@ A tokenizer may carry a chat template (:meth:`Tokenizer.apply_chat_template`), s
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from llmkit.errors import LlmkitError, first_line
+from llmkit.files import write_text_atomic
 
 if TYPE_CHECKING:
     import numpy as np
@@ -265,9 +265,7 @@ class Tokenizer:
 
 def _write_atomic(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
+    write_text_atomic(path, text)
 
 
 def read_json_object(path: Path) -> dict[str, Any] | None:

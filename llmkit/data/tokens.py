@@ -9,7 +9,6 @@ to the number of tokens). Plain text has neither.
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -17,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from llmkit.errors import LlmkitError, no_space, no_space_message
+from llmkit.files import replacing_all
 
 #: Bumped when the token-file layout changes, so older caches are not reused.
 FORMAT_VERSION = 1
@@ -152,26 +152,20 @@ def write_token_file(
     ``meta`` (read after ``chunks`` is exhausted) plus ``tokens`` and ``dtype``."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    side_tmp = tmp.with_suffix(".json.tmp")
     n = 0
     try:
-        with open(tmp, "wb") as f:
-            for chunk in chunks:
-                arr = np.asarray(chunk)
-                if arr.size and int(arr.max()) > np.iinfo(dtype).max:
-                    raise LlmkitError(f"token id {int(arr.max())} does not fit {dtype}")
-                _write(f, arr, dtype)
-                n += arr.size
-        side_tmp.write_text(json.dumps({**meta, "tokens": n, "dtype": dtype.name}, indent=1))
-        os.replace(tmp, path)
-        os.replace(side_tmp, sidecar(path))
+        with replacing_all([path, sidecar(path)]) as (tmp, side_tmp):
+            with open(tmp, "wb") as f:
+                for chunk in chunks:
+                    arr = np.asarray(chunk)
+                    if arr.size and int(arr.max()) > np.iinfo(dtype).max:
+                        raise LlmkitError(f"token id {int(arr.max())} does not fit {dtype}")
+                    _write(f, arr, dtype)
+                    n += arr.size
+            side_tmp.write_text(json.dumps({**meta, "tokens": n, "dtype": dtype.name}, indent=1))
     except OSError as exc:
         raise_if_full(exc, path)
         raise
-    finally:
-        tmp.unlink(missing_ok=True)
-        side_tmp.unlink(missing_ok=True)
     return TokenFile(path)
 
 
@@ -187,37 +181,32 @@ def write_masked_token_file(
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     finals = [path, path.with_suffix(MASK_SUFFIX), path.with_suffix(DOCS_SUFFIX), sidecar(path)]
-    tmps = [p.with_name(f".{p.name}.{os.getpid()}.tmp") for p in finals]
     n, n_docs = 0, 0
     try:
-        with (
-            open(tmps[0], "wb") as f_ids,
-            open(tmps[1], "wb") as f_mask,
-            open(tmps[2], "wb") as f_docs,
-        ):
-            np.zeros(1, np.int64).tofile(f_docs)
-            for ids, mask, lengths in chunks:
-                ids, mask = np.asarray(ids), np.asarray(mask)
-                lengths = np.asarray(lengths, np.int64)
-                if mask.size != ids.size or int(lengths.sum()) != ids.size:
-                    raise ValueError("ids, mask and document lengths disagree")
-                if ids.size and int(ids.max()) > np.iinfo(dtype).max:
-                    raise LlmkitError(f"token id {int(ids.max())} does not fit {dtype}")
-                _write(f_ids, ids, dtype)
-                _write(f_mask, mask, np.dtype(np.uint8))
-                _write(f_docs, n + np.cumsum(lengths), np.dtype(np.int64))
-                n += ids.size
-                n_docs += lengths.size
-        side = {**meta, "tokens": n, "dtype": dtype.name, "mask": True, "documents": n_docs}
-        tmps[3].write_text(json.dumps(side, indent=1))
-        for tmp, final in zip(tmps, finals):
-            os.replace(tmp, final)
+        with replacing_all(finals) as tmps:
+            with (
+                open(tmps[0], "wb") as f_ids,
+                open(tmps[1], "wb") as f_mask,
+                open(tmps[2], "wb") as f_docs,
+            ):
+                np.zeros(1, np.int64).tofile(f_docs)
+                for ids, mask, lengths in chunks:
+                    ids, mask = np.asarray(ids), np.asarray(mask)
+                    lengths = np.asarray(lengths, np.int64)
+                    if mask.size != ids.size or int(lengths.sum()) != ids.size:
+                        raise ValueError("ids, mask and document lengths disagree")
+                    if ids.size and int(ids.max()) > np.iinfo(dtype).max:
+                        raise LlmkitError(f"token id {int(ids.max())} does not fit {dtype}")
+                    _write(f_ids, ids, dtype)
+                    _write(f_mask, mask, np.dtype(np.uint8))
+                    _write(f_docs, n + np.cumsum(lengths), np.dtype(np.int64))
+                    n += ids.size
+                    n_docs += lengths.size
+            side = {**meta, "tokens": n, "dtype": dtype.name, "mask": True, "documents": n_docs}
+            tmps[3].write_text(json.dumps(side, indent=1))
     except OSError as exc:
         raise_if_full(exc, path)
         raise
-    finally:
-        for tmp in tmps:
-            tmp.unlink(missing_ok=True)
     return TokenFile(path)
 
 

@@ -169,7 +169,7 @@ def save_result(
 ) -> Path:
     """Write ``eval/<task>[-<k>shot].json`` in the run directory (atomically) and append
     the same record to ``eval/results.jsonl``, the run's history of evaluations."""
-    from llmkit.runs.checkpoints import write_text_atomic, writing
+    from llmkit.files import write_text_atomic, writing
 
     directory = run_dir / EVAL_DIR
     stem = result.task + (f"-{result.num_fewshot}shot" if result.num_fewshot else "")

@@ -314,7 +314,7 @@ def trial_rows(study: Any, search: SearchSpec) -> list[dict[str, Any]]:
 def write_results(out: Path, rows: list[dict[str, Any]], search: SearchSpec) -> None:
     """``results.csv``, ``results.jsonl`` and ``plots/`` (the value against each parameter,
     and the best value so far against the trial number)."""
-    from llmkit.runs.checkpoints import write_text_atomic
+    from llmkit.files import write_text_atomic
 
     columns = list(dict.fromkeys(k for r in rows for k in r))
     buf = io.StringIO()

@@ -283,7 +283,7 @@ class _Runner:
                     f"the base spec {self.plan.base} changed since {self.out} was started; "
                     "its done trials used the old one: choose another --out, or remove it"
                 )
-        from llmkit.runs.checkpoints import write_text_atomic
+        from llmkit.files import write_text_atomic
 
         write_text_atomic(path, json.dumps(definition, indent=2) + "\n")
         if self.plan.source is not None:

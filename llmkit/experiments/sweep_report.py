@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from llmkit.experiments.sweep_axes import Trial
+from llmkit.files import replacing, write_text_atomic
 
 #: The columns of ``results.csv`` around the axis columns (one per spec path the sweep varies).
 LEAD_COLUMNS = ["trial", "status"]
@@ -125,7 +126,6 @@ def write_results(
 ) -> None:
     """``results.jsonl`` and ``results.csv`` (lists and tables as JSON), each replaced
     atomically."""
-    from llmkit.runs.checkpoints import write_text_atomic
 
     cols = columns(axes, extra)
     lines = "".join(json.dumps({c: row.get(c) for c in cols}) + "\n" for row in rows)
@@ -268,10 +268,9 @@ def _pyplot() -> Any:
 def _save(fig: Any, path: Path) -> None:
     plt = _pyplot()
     fig.tight_layout()
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp)
+    with replacing(path, ".png") as tmp:
+        fig.savefig(tmp)
     plt.close(fig)
-    os.replace(tmp, path)
 
 
 def draw_plots(

@@ -24,9 +24,9 @@ import yaml
 
 from llmkit.data.store import link_or_copy
 from llmkit.errors import LlmkitError
+from llmkit.files import write_json_atomic as _write_json
 from llmkit.runs import METRICS_FILE, RESOLVED_FILE, SPEC_FILE, TOKENIZER_FILES
 from llmkit.runs.checkpoints import CHECKSUMS, Checkpoints, read_meta, verify_files
-from llmkit.runs.checkpoints import write_json_atomic as _write_json
 
 #: Written into a branch: where it came from (``{"source": ..., "step": ...}``).
 BRANCH_FILE = "branch.json"

@@ -20,13 +20,12 @@ Nothing here unpickles: ``state.pt`` and rank files load with ``weights_only=Tru
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
 import random
 import shutil
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +35,8 @@ from safetensors import safe_open
 from safetensors.torch import load_model, save_file, save_model
 from torch import nn
 
-from llmkit.errors import LlmkitError, no_space, no_space_message
+from llmkit.errors import LlmkitError, no_space_message
+from llmkit.files import NoSpaceLeft, replacing, write_json_atomic, writing
 
 WEIGHTS = "model.safetensors"
 STATE = "state.pt"
@@ -44,23 +44,6 @@ META = "meta.json"
 SHARDS = "dcp"
 #: The key of ``meta.json`` holding the SHA-256 of each file, by path inside the checkpoint.
 CHECKSUMS = "files"
-
-
-class NoSpaceLeft(LlmkitError):
-    """A write failed because the disk (or the user's quota) is full."""
-
-
-@contextlib.contextmanager
-def writing(path: Path) -> Iterator[None]:
-    """Turn a full-disk error raised in the body into :class:`NoSpaceLeft` naming ``path``."""
-    try:
-        yield
-    except NoSpaceLeft:
-        raise
-    except Exception as exc:
-        if not no_space(exc):
-            raise
-        raise NoSpaceLeft(no_space_message(path)) from exc
 
 
 def _umask() -> int:
@@ -116,23 +99,6 @@ def rank_file(rank: int) -> str:
     return f"rank-{rank:05d}.pt"
 
 
-def write_text_atomic(path: Path, text: str) -> None:
-    """Write UTF-8 text under a temporary name, then rename (readers never see half a
-    file); :class:`NoSpaceLeft` on a full disk (the temporary file removed)."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        with writing(path):
-            tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
-def write_json_atomic(path: Path, data: Any) -> None:
-    """:func:`write_text_atomic` of ``data`` as indented JSON."""
-    write_text_atomic(path, json.dumps(data, indent=2) + "\n")
-
-
 #: safetensors metadata key marking a file that holds only a run's trainable adapter state.
 ADAPTER_MARK = "llmkit.adapters"
 
@@ -153,15 +119,11 @@ def write_weights(model: nn.Module, path: Path) -> None:
 def save_weights(model: nn.Module, path: Path) -> None:
     """:func:`write_weights`, atomically: a failed write (a full disk: :class:`NoSpaceLeft`
     naming ``path``) leaves the previous file and no temporary."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
+    with replacing(path) as tmp:
         try:
             write_weights(model, tmp)
         except NoSpaceLeft as exc:
             raise NoSpaceLeft(f"{no_space_message(path)}; nothing was written") from exc
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 class DamagedCheckpoint(LlmkitError):

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 from typing import Any
 
 from llmkit.errors import LlmkitError
-from llmkit.runs.checkpoints import writing
+from llmkit.files import replacing, writing
 
 #: During training the loss curve is redrawn at a checkpoint only if this many seconds passed
 #: since the last drawing (a drawing costs ≈ 0.3 s on a 2-core CPU); it is always drawn at
@@ -29,13 +28,8 @@ class MetricsLog:
         if not self.path.is_file():
             return
         keep = [line for line in self.read() if line.get("step", 0) <= step]
-        tmp = self.path.with_name(f".{self.path.name}.tmp")
-        try:
-            with writing(self.path):
-                tmp.write_text("".join(_line(record) for record in keep))
-            os.replace(tmp, self.path)
-        finally:
-            tmp.unlink(missing_ok=True)
+        with replacing(self.path) as tmp, writing(self.path):
+            tmp.write_text("".join(_line(record) for record in keep))
 
     def read(self) -> list[dict[str, Any]]:
         """Every record; a line that does not parse (a crash can leave the last one half
@@ -175,7 +169,6 @@ def plot_losses(records: list[dict[str, Any]], path: Path, title: str = "") -> N
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp)
+    with replacing(path, ".png") as tmp:
+        fig.savefig(tmp)
     plt.close(fig)
-    tmp.replace(path)

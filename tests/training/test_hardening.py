@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from llmkit.errors import LlmkitError
-from llmkit.runs.checkpoints import CHECKSUMS, META, Checkpoints, NoSpaceLeft, sha256
+from llmkit.files import NoSpaceLeft
+from llmkit.runs.checkpoints import CHECKSUMS, META, Checkpoints, sha256
 from llmkit.runs.lock import LOCK_FILE, RunInUse, RunLock
 from llmkit.training import train
 from llmkit.training.resume import restartable

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import csv
 import math
-import os
 from typing import Any
 
 from pydantic import Field
 
 from llmkit.contracts import ComponentOptions, LoggerContext, MetricsLogger
+from llmkit.files import replacing
 
 
 class Options(ComponentOptions):
@@ -52,12 +52,10 @@ class CsvLogger(MetricsLogger):
             csv.DictWriter(fh, self.columns).writerow(row)
 
     def _rewrite(self) -> None:
-        tmp = self.path.with_name(f".{self.path.name}.tmp")
-        with tmp.open("w", newline="", encoding="utf-8") as fh:
+        with replacing(self.path) as tmp, tmp.open("w", newline="", encoding="utf-8") as fh:
             writer = csv.DictWriter(fh, self.columns)
             writer.writeheader()
             writer.writerows(self.rows)
-        os.replace(tmp, self.path)
 
 
 def _step(row: dict[str, Any]) -> int:

@@ -1,0 +1,75 @@
+"""Files written whole or not at all, and full disks as one-line errors.
+
+A file is written under a temporary name beside its target (``.NAME.PID.tmp``: two processes
+writing the same target never share one) and renamed over it with ``os.replace``, so a
+reader sees the old file or the new one, never part of either, and a crash leaves the old
+file. Nothing here imports torch: the bottom layer (``hardware``, ``data``) uses it too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from llmkit.errors import LlmkitError, no_space, no_space_message
+
+
+class NoSpaceLeft(LlmkitError):
+    """A write failed because the disk (or the user's quota) is full."""
+
+
+@contextlib.contextmanager
+def writing(path: str | os.PathLike[str]) -> Iterator[None]:
+    """Turn a full-disk error raised in the body into :class:`NoSpaceLeft` naming ``path``."""
+    try:
+        yield
+    except NoSpaceLeft:
+        raise
+    except Exception as exc:
+        if not no_space(exc):
+            raise
+        raise NoSpaceLeft(no_space_message(path)) from exc
+
+
+def temporary_name(path: Path, suffix: str = "") -> Path:
+    """``.NAME.PID.tmp`` beside ``path``, then ``suffix`` (a plot's ``.png`` keeps its
+    format)."""
+    return path.with_name(f".{path.name}.{os.getpid()}.tmp{suffix}")
+
+
+@contextlib.contextmanager
+def replacing_all(paths: Sequence[Path], suffix: str = "") -> Iterator[list[Path]]:
+    """Temporary paths for the body to write, one beside each of ``paths``; when the body
+    returns, each replaces its target in order (the last one is the one readers check
+    first, e.g. a sidecar). Whatever happens, no temporary file is left behind."""
+    tmps = [temporary_name(Path(p), suffix) for p in paths]
+    try:
+        yield tmps
+        for tmp, path in zip(tmps, paths, strict=True):
+            os.replace(tmp, path)
+    finally:
+        for tmp in tmps:
+            tmp.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def replacing(path: Path, suffix: str = "") -> Iterator[Path]:
+    """:func:`replacing_all` of one file: the body writes the yielded temporary path."""
+    with replacing_all([path], suffix) as (tmp,):
+        yield tmp
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write UTF-8 text under a temporary name, then rename (readers never see half a
+    file); :class:`NoSpaceLeft` on a full disk (the temporary file removed)."""
+    with replacing(path) as tmp, writing(path):
+        tmp.write_text(text, encoding="utf-8")
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    """:func:`write_text_atomic` of ``data`` as indented JSON."""
+    write_text_atomic(path, json.dumps(data, indent=2) + "\n")
