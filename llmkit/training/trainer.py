@@ -368,8 +368,9 @@ class Trainer:
                     display.show(record)
                 out_of_time, signalled = self._stop_flags()
                 final = self.step == t.max_steps or out_of_time or signalled
+                improved = False  # only a checkpoint evaluated at its own step can be best
                 if self.step % t.eval_interval == 0 or final:
-                    last_val = self._evaluate(history)
+                    last_val, improved = self._evaluate(history)
                     if self._early_stop():
                         stopped = "early_stopping"
                         final = True
@@ -379,7 +380,7 @@ class Trainer:
                             stopped, final = "pruned", True
                 due = self.step % ckpt_every == 0 or self.step % t.eval_interval == 0
                 if due or final or self.step in t.checkpoint_steps:
-                    self._save(best=last_val is not None and last_val == self.best_val)
+                    self._save(best=improved)
                     self._maybe_plot(history, final)
                 if out_of_time:
                     stopped = "max_time"
@@ -460,10 +461,11 @@ class Trainer:
             f"without saving ({where}); lower the lr or set train.on_nonfinite='skip'"
         )
 
-    def _evaluate(self, history: list[dict[str, Any]]) -> float:
+    def _evaluate(self, history: list[dict[str, Any]]) -> tuple[float, bool]:
         """The objective on the validation set (and the cross-entropy beside another
-        objective): the single-process evaluation set (batches of batch_size × world_size
-        blocks), each batch's rows dealt out to the ranks, the token-weighted sums added."""
+        objective) and whether it is the best so far: the single-process evaluation set
+        (batches of batch_size × world_size blocks), each batch's rows dealt out to the
+        ranks, the token-weighted sums added."""
         from llmkit.data import eval_batches
         from llmkit.training.evaluate import evaluate_batches
 
@@ -507,7 +509,7 @@ class Trainer:
             f"step {self.step}: val loss {loss:.4f}, ppl {record['val_ppl']:.2f}"
             f"{' (best)' if improved else ''}"
         )
-        return loss
+        return loss, improved
 
     def _early_stop(self) -> bool:
         patience = self.t.early_stopping_patience

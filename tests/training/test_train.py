@@ -415,3 +415,26 @@ def test_compiled_training_matches_eager_and_resumes(tmp_path):
     result = _resume(compiled, "train.max_steps=6")
     assert result.step == 6 and [s for s, _ in losses(compiled)][-2:] == [5, 6]
     torch._dynamo.reset()
+
+
+def test_only_an_evaluated_checkpoint_is_marked_best(tmp_path, monkeypatch):
+    # Checkpoints every 2 steps, evaluations every 4: the saves at steps 2 and 6 were never
+    # evaluated, so best.json must never name them (nor prune the evaluated one for them).
+    saves: list[tuple[int, bool]] = []
+    real = Checkpoints.save
+
+    def recording(self, step, *args, best=False, **kwargs):
+        saves.append((step, best))
+        return real(self, step, *args, best=best, **kwargs)
+
+    monkeypatch.setattr(Checkpoints, "save", recording)
+    run = tmp_path / "run"
+    spec = write_spec(tmp_path, max_steps=8, eval_interval=4, checkpoint_interval=2)
+    result = train(spec, run_dir=run, log=lambda _m: None, progress=False)
+    assert [s for s, _ in saves] == [2, 4, 6, 8]
+    assert not any(best for s, best in saves if s in (2, 6)) and saves[1] == (4, True)
+    vals = dict(val_losses(run))
+    best = json.loads((run / "checkpoints" / "best.json").read_text())
+    assert best["step"] in vals and vals[best["step"]] == pytest.approx(min(vals.values()))
+    assert result.best_val_loss == pytest.approx(min(vals.values()))
+    assert (run / "checkpoints" / best["dir"]).is_dir()
