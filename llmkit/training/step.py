@@ -3,9 +3,10 @@
 :class:`TrainStep` is public so that the training benchmarks time this same function
 (:mod:`llmkit.bench.training`): the learning-rate factor, ``grad_accum`` micro-batches of
 forward and backward under autocast (a grad scaler for fp16; gradients all-reduced only on
-the last micro-batch), gradient clipping, the reported values averaged over ranks in one
-transfer, and the optimizer step — unless the loss or the gradient is not finite, in which
-case the update is dropped and the result says so (the caller decides to stop or skip).
+the last micro-batch; each micro-batch weighted by its share of the step's trained
+targets), gradient clipping, the reported values averaged over ranks in one transfer, and
+the optimizer step — unless the loss or the gradient is not finite, in which case the
+update is dropped and the result says so (the caller decides to stop or skip).
 """
 
 from __future__ import annotations
@@ -22,6 +23,9 @@ from llmkit import hardware
 from llmkit.optim import set_lr_factor
 from llmkit.training.objective import Objective
 from llmkit.training.strategy import ParallelStrategy
+
+#: The target id that trains nothing (``ignore_index`` of the cross-entropy).
+IGNORE = -100
 
 
 @dataclass
@@ -81,6 +85,21 @@ class TrainStep:
         self.forward = forward if forward is not None else self.wrapped
         self.scaler = torch.amp.GradScaler(self.device.type) if precision == "fp16" else None
 
+    def _target_weights(self, targets: list[Tensor]) -> list[float]:
+        """Each micro-batch's share of the step's trained targets (those not -100) over
+        every micro-batch and rank, times the number of ranks (data-parallel gradients are
+        averaged over ranks): the step's objective is then the mean over all its trained
+        targets, however unevenly masks and padding spread them. A micro-batch with none
+        adds only its auxiliary losses; a step with none keeps 1/n each (the objective's
+        value for no targets, not finite for the model's cross-entropy, decides)."""
+        counts = [int((y != IGNORE).sum()) for y in targets]
+        total = sum(counts)
+        if self.strategy.distributed:
+            total = int(self.strategy.sum([float(total)])[0])
+        if total == 0:
+            return [1.0 / len(targets)] * len(targets)
+        return [self.strategy.world_size * c / total for c in counts]
+
     def __call__(
         self, next_batch: Callable[[], tuple[Tensor, Tensor]], lr_factor: float | None = None
     ) -> StepResult:
@@ -89,32 +108,41 @@ class TrainStep:
         if not self.model.training:  # (a recursive call: ≈ 0.5 ms a step on a small model)
             self.model.train()
         n = self.grad_accum
+        batches = [next_batch() for _ in range(n)]
+        weights = self._target_weights([y for _, y in batches])
         loss_sum = torch.zeros((), device=self.device)
         aux_sums: dict[str, Any] = {}
-        metrics: dict[str, Any] = {}
-        for micro in range(n):
-            x, y = next_batch()
+        metric_sums: dict[str, Any] = {}
+        for micro, ((x, y), weight) in enumerate(zip(batches, weights, strict=True)):
             x = x.to(self.device, non_blocking=True)
             y = y.to(self.device, non_blocking=True)
             with self.strategy.grad_sync(self.wrapped, micro == n - 1):  # all-reduce once
                 with hardware.autocast(self.device, self.precision):
                     out = self.objective(self.forward, x, y)
-                    loss = out.total / n
+                    # A micro-batch without trained targets has weight 0 (its mean, NaN for
+                    # the cross-entropy, zeroed): its backward still runs, and all-reduces.
+                    loss = (out.loss if weight else out.loss.nan_to_num(0.0)) * weight
+                    for value in out.aux_losses.values():
+                        loss = loss + value / n
                 if self.scaler is not None:
                     self.scaler.scale(loss).backward()
                 else:
                     loss.backward()
-            loss_sum += out.loss.detach() / n
+            if weight:
+                loss_sum += out.loss.detach().float() * weight
             for k, v in out.aux_losses.items():
                 aux_sums[k] = aux_sums.get(k, 0.0) + _detached(v) / n
-            metrics.update({k: _detached(v) for k, v in out.metrics.items()})
+            for k, v in out.metrics.items():
+                metric_sums[k] = metric_sums.get(k, 0.0) + _detached(v) / n
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
         grad_norm = self.strategy.full_tensor(grad_norm)
         # Everything reported, averaged over ranks, in one transfer (one sync).
-        names = [f"aux/{k}" for k in aux_sums] + [f"metric/{k}" for k in metrics]
-        loss_value, *values = self.strategy.mean([loss_sum, *aux_sums.values(), *metrics.values()])
+        names = [f"aux/{k}" for k in aux_sums] + [f"metric/{k}" for k in metric_sums]
+        loss_value, *values = self.strategy.mean(
+            [loss_sum, *aux_sums.values(), *metric_sums.values()]
+        )
         result = StepResult(loss_value, float(grad_norm), dict(zip(names, values)))
         finite = math.isfinite(loss_value) and math.isfinite(result.grad_norm)
         if not finite and self.scaler is None:

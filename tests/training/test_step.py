@@ -1,0 +1,83 @@
+"""TrainStep: a step's objective is the mean over all its trained targets, however
+``grad_accum`` splits them and however unevenly masks spread them; auxiliary losses and
+metrics are the micro-batches' means."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from llmkit.model import build_model
+from llmkit.spec import load_spec_dict
+from llmkit.training.step import TrainStep
+from tests.helpers import tiny_spec
+
+
+def _step(model, batches, accum):
+    """Loss, reported values and the gradients the optimizer saw (lr 0: nothing moves)."""
+    model = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    seen: dict[str, torch.Tensor] = {}
+    opt.register_step_pre_hook(
+        lambda *_: seen.update({n: p.grad.clone() for n, p in model.named_parameters()})
+    )
+    it = iter(batches)
+    result = TrainStep(model, opt, grad_accum=accum)(lambda: next(it))
+    return result, torch.cat([seen[n].flatten() for n in sorted(seen)]) if seen else None
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    return build_model(load_spec_dict(tiny_spec()))
+
+
+def _masked_batch():
+    torch.manual_seed(1)
+    x, y = torch.randint(0, 64, (4, 16)), torch.randint(0, 64, (4, 16))
+    y[0, 1:] = -100  # rows 0, 1: one trained target each (as a short padded chat turn)
+    y[1, 1:] = -100
+    return x, y
+
+
+def test_accumulation_weights_micro_batches_by_their_trained_targets(model):
+    x, y = _masked_batch()
+    whole, g_whole = _step(model, [(x, y)], 1)
+    split, g_split = _step(model, [(x[:2], y[:2]), (x[2:], y[2:])], 2)
+    logits = model(x).logits
+    mean = torch.nn.functional.cross_entropy(logits.reshape(-1, 64), y.reshape(-1)).item()
+    assert whole.loss == pytest.approx(mean, rel=1e-5)
+    assert split.loss == pytest.approx(mean, rel=1e-5)  # 34 targets, not a mean of 2 means
+    torch.testing.assert_close(g_split, g_whole, rtol=1e-4, atol=1e-6)
+
+
+def test_a_micro_batch_without_trained_targets_adds_nothing(model):
+    x, y = _masked_batch()
+    empty = y[:2].clone().fill_(-100)
+    alone, g_alone = _step(model, [(x[2:], y[2:])], 1)
+    with_empty, g_with = _step(model, [(x[:2], empty), (x[2:], y[2:])], 2)
+    assert with_empty.applied and with_empty.loss == pytest.approx(alone.loss, rel=1e-5)
+    torch.testing.assert_close(g_with, g_alone, rtol=1e-4, atol=1e-6)
+
+
+def test_a_step_without_trained_targets_is_not_applied(model):
+    x, y = _masked_batch()
+    result, _ = _step(model, [(x, y.fill_(-100))], 1)
+    assert not result.applied
+
+
+def test_metrics_are_the_micro_batches_mean(model, monkeypatch):
+    from llmkit.training.objective import Objective, ObjectiveOutput
+
+    values, real = iter([1.0, 3.0]), Objective.__call__
+
+    def reporting(self, forward, x, y, **_kw):
+        out = real(self, forward, x, y)
+        return ObjectiveOutput(out.loss, out.aux_losses, {"probe": next(values)})
+
+    monkeypatch.setattr(Objective, "__call__", reporting, raising=True)
+    x, y = _masked_batch()
+    result, _ = _step(model, [(x[:2], y[:2]), (x[2:], y[2:])], 2)
+    assert result.reported["metric/probe"] == pytest.approx(2.0)
