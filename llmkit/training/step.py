@@ -144,9 +144,16 @@ class TrainStep:
             [loss_sum, *aux_sums.values(), *metric_sums.values()]
         )
         result = StepResult(loss_value, float(grad_norm), dict(zip(names, values)))
-        finite = math.isfinite(loss_value) and math.isfinite(result.grad_norm)
-        if not finite and self.scaler is None:
+        # Without a scaler any non-finite value drops the update. With one (fp16), gradients
+        # that overflow are the scaler's business (it skips the update and lowers the
+        # scale); a non-finite loss is not, and is reported like any other.
+        finite = math.isfinite(loss_value) and (
+            self.scaler is not None or math.isfinite(result.grad_norm)
+        )
+        if not finite:
             self.optimizer.zero_grad(set_to_none=True)
+            if self.scaler is not None:
+                self.scaler.update()  # closes this step's unscale_; the scale drops too
             result.applied = False
             return result
         if self.scaler is not None:

@@ -5,6 +5,7 @@ metrics are the micro-batches' means."""
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -81,3 +82,31 @@ def test_metrics_are_the_micro_batches_mean(model, monkeypatch):
     x, y = _masked_batch()
     result, _ = _step(model, [(x[:2], y[:2]), (x[2:], y[2:])], 2)
     assert result.reported["metric/probe"] == pytest.approx(2.0)
+
+
+def test_a_non_finite_loss_is_reported_under_the_fp16_grad_scaler(model):
+    # The scaler skips updates whose gradients overflow; a non-finite *loss* must still reach
+    # the trainer (train.on_nonfinite), and the scaler must stay usable for the next step.
+    from llmkit.training.objective import Objective, ObjectiveOutput
+
+    class Poisoned(Objective):
+        poison = True
+
+        def __call__(self, forward, x, y, **kw):
+            out = super().__call__(forward, x, y, **kw)
+            loss = out.loss * float("nan") if self.poison else out.loss
+            return ObjectiveOutput(loss, out.aux_losses, out.metrics)
+
+    model = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    objective = Poisoned()
+    step = TrainStep(model, opt, objective=objective, precision="fp16")
+    x, y = _masked_batch()
+    before = [p.detach().clone() for p in model.parameters()]
+    result = step(lambda: (x, y))
+    assert not result.applied and all(
+        torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True)
+    )
+    objective.poison = False
+    result = step(lambda: (x, y))
+    assert result.applied and math.isfinite(result.loss)
