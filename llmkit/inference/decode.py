@@ -21,6 +21,9 @@ from llmkit.inference.sampling import (
 from llmkit.inference.streaming import RowText, TokenizerLike
 from llmkit.model import KVCache, Transformer
 
+#: The end of the decoding steps (``next``'s default).
+_DONE = object()
+
 
 @dataclass
 class Row:
@@ -354,19 +357,30 @@ def start_decoding(
         for row in rows:
             row.text = RowText(tokenizer, row.prompt, cfg.stop)
 
+    def decoding() -> Iterator[None]:
+        if cfg.num_beams > 1:
+            beam_search(model, rows, cfg, pad_id)
+            yield
+        else:
+            yield from sample_steps(model, rows, cfg, pad_id)
+
     def steps() -> Iterator[None]:
+        # Each step runs under inference mode with the adapted weights (parametrizations:
+        # LoRA, DoRA) computed once; neither is held across a ``yield``, so the caller's
+        # code between steps (a streaming loop's body) runs in its own grad mode. The model
+        # stays in eval mode until the steps end or are closed (a stream left early).
         was_training = model.training
         model.eval()
         fit_layout(model, len(rows) * max(cfg.num_beams, 1))
+        inner = decoding()
         try:
-            # Adapted weights (parametrizations: LoRA, DoRA) computed once per generation.
-            with torch.inference_mode(), parametrize.cached():
-                if cfg.num_beams > 1:
-                    beam_search(model, rows, cfg, pad_id)
-                    yield
-                else:
-                    yield from sample_steps(model, rows, cfg, pad_id)
+            while True:
+                with torch.inference_mode(), parametrize.cached():
+                    if next(inner, _DONE) is _DONE:
+                        return
+                yield
         finally:
+            inner.close()
             model.train(was_training)
 
     return rows, steps()

@@ -132,10 +132,13 @@ class TextStream:
     def __iter__(self) -> Iterator[str]:
         row = self._row
         assert row.text is not None
-        for _ in self._steps:
-            piece = row.text.take(done=False)
-            if piece:
-                yield piece
+        try:
+            for _ in self._steps:
+                piece = row.text.take(done=False)
+                if piece:
+                    yield piece
+        finally:  # a loop left early ends the decoding now (the model's mode restored)
+            self._steps.close()
         row.text.finish()
         piece = row.text.take(done=True)
         if piece:

@@ -54,3 +54,26 @@ def test_stream_yields_the_same_text_as_generate(lm, char_tok):
 def test_result_text_never_contains_a_replacement_for_whole_characters(lm, char_tok):
     res = Generator(lm, char_tok).generate("the", max_new_tokens=20, temperature=1.0, seed=1)
     assert "\ufffd" not in res[0].text and math.isfinite(len(res[0].ids))
+
+
+def test_a_stream_keeps_no_mode_of_its_own_between_pieces_or_after_it_is_left(lm, char_tok):
+    # The loop body runs in the caller's grad mode (not inference mode); leaving the loop
+    # early ends the decoding at once and gives the model back its training mode.
+    import torch
+
+    lm.train()
+    try:
+        stream = Generator(lm, char_tok).stream("the ", max_new_tokens=30, temperature=0,
+                                                eos_id=-1)  # fmt: skip
+        for i, _piece in enumerate(stream):
+            assert not torch.is_inference_mode_enabled() and torch.is_grad_enabled()
+            assert not lm.training  # decoding runs in eval mode
+            if i == 2:
+                break
+        assert lm.training and not torch.is_inference_mode_enabled()
+        x = torch.randint(0, char_tok.vocab_size, (2, 8))
+        lm(x, x).loss.backward()  # training works right after
+        assert lm.lm_head.weight.grad is not None
+    finally:
+        lm.zero_grad(set_to_none=True)
+        lm.eval()
