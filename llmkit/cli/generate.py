@@ -222,7 +222,7 @@ def _chat(gen: Any, args: argparse.Namespace, sampling: Any, where: str) -> int:
 
 def run_generate(args: argparse.Namespace) -> int:
     from llmkit import hardware
-    from llmkit.inference import Generator
+    from llmkit.inference import Generator, prepare_for_decoding
     from llmkit.runs import load_run
 
     sampling = sampling_from_args(args)
@@ -236,6 +236,7 @@ def run_generate(args: argparse.Namespace) -> int:
         gen = Generator(run, quantize=args.quantize)
     except ValueError as exc:
         raise LlmkitError(str(exc)) from exc
+    prepare_for_decoding(gen.model)  # the model is this command's own (docs/generation.md)
     if args.chat is not None:
         return _chat(gen, args, sampling, str(run.run_dir))
     if args.interactive:

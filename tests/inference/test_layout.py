@@ -89,3 +89,21 @@ def test_every_feed_forward_accepts_the_decoding_layout(ffn):
             1,
         )
     torch.testing.assert_close(inc, before, atol=2e-5, rtol=1e-4)
+
+
+def test_llmkit_generate_decodes_with_the_layout(run_dir, monkeypatch, capsys):
+    from llmkit.cli import main
+    from llmkit.inference import generator
+
+    made: list[Generator] = []
+    real = generator.Generator.__init__
+
+    def keeping(self, *args, **kwargs):
+        real(self, *args, **kwargs)
+        made.append(self)
+
+    monkeypatch.setattr(generator.Generator, "__init__", keeping)
+    argv = ["generate", str(run_dir), "--prompt", "the ", "--max-new-tokens", "3"]
+    assert main([*argv, "--temperature", "0"]) == 0
+    (gen,) = made
+    assert gen.model._llmkit_decoding_layout and _is_col(gen.model.lm_head.weight)
