@@ -53,6 +53,16 @@ class Row:
         )
 
 
+def _prompt_tokens(rows: list[Row], vocab: int, device: torch.device) -> Tensor:
+    """(rows, vocab) bool: the ids in each row's whole prompt (the repetition penalty's
+    "already in the row"), also those before the last ``max_seq_len`` the model sees."""
+    seen = torch.zeros(len(rows), vocab + 1, dtype=torch.bool, device=device)
+    for i, row in enumerate(rows):
+        ids = torch.tensor(row.prompt, dtype=torch.long, device=device).clamp_(0, vocab)
+        seen[i, ids] = True
+    return seen[:, :vocab]
+
+
 def model_device(model: Transformer) -> torch.device:
     """The device of the model's first parameter (or buffer); the CPU if it has none."""
     for p in model.parameters():
@@ -171,10 +181,7 @@ def sample_steps(
     vocab = logits.shape[-1]
     seen = None
     if cfg.repetition_penalty != 1.0:
-        seen = torch.zeros(b, vocab + 1, dtype=torch.bool, device=device)
-        prompt = torch.where(ctx.mask[:, : ctx.end], ctx.ids[:, : ctx.end], vocab)
-        seen.scatter_(1, prompt, True)
-        seen = seen[:, :vocab]
+        seen = _prompt_tokens(rows, vocab, device)
     active = [True] * b
     pad = torch.full((b,), pad_id, dtype=torch.long, device=device)
     rows_index = torch.arange(b, device=device)
@@ -232,10 +239,7 @@ def beam_search(model: Transformer, rows: list[Row], cfg: Sampling, pad_id: int)
     logits = logits.index_select(0, expand)
     seen = None
     if cfg.repetition_penalty != 1.0:
-        seen = torch.zeros(b * k, vocab + 1, dtype=torch.bool, device=device)
-        prompt = torch.where(ctx.mask[:, : ctx.end], ctx.ids[:, : ctx.end], vocab)
-        seen.scatter_(1, prompt, True)
-        seen = seen[:, :vocab]
+        seen = _prompt_tokens(rows, vocab, device).index_select(0, expand)
     beam_scores = torch.full((b, k), float("-inf"), device=device)
     beam_scores[:, 0] = 0.0
     beam_ids: list[list[int]] = [[] for _ in range(b * k)]

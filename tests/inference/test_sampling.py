@@ -140,3 +140,23 @@ def test_eos_ends_a_row_and_the_others_go_on(lm):
     assert generate_batch(lm, prompts, ignored)[0].ids == free[0].ids
     padded = generate_ids(lm, torch.tensor([[1, 2, 3]]), Sampling(12, temperature=0, eos_id=eos))
     assert padded.shape == (1, j + 1)
+
+
+@pytest.mark.parametrize("beams", [1, 2])
+def test_the_repetition_penalty_covers_the_whole_prompt(beams):
+    # A prompt longer than max_seq_len: the model sees its last 16 ids, the penalty all 17.
+    torch.manual_seed(0)
+    spec = tiny_spec(position={"name": "rope"}, max_seq_len=16, init_std=0.3)
+    model = build_model(load_spec_dict(spec)).eval()
+    for start in range(40):  # a context whose favourite next id is not in it
+        ctx = list(range(start + 1, start + 17))
+        with torch.no_grad():
+            favourite = int(model(torch.tensor([ctx])).logits[0, -1].argmax())
+        if favourite not in ctx:
+            break
+    cfg = Sampling(max_new_tokens=1, temperature=0, num_beams=beams, ignore_eos=True)
+    (plain,) = generate_batch(model, [[favourite, *ctx]], cfg)
+    assert plain.ids == [favourite]
+    cfg.repetition_penalty = 1000.0
+    (penalized,) = generate_batch(model, [[favourite, *ctx]], cfg)
+    assert penalized.ids != [favourite]
