@@ -53,6 +53,20 @@ def test_gemma3_qk_norm_two_ropes_and_global_layers(tmp_path, attention):
     check_family(tmp_path, "Gemma3TextConfig", "Gemma3ForCausalLM", attention=attention, **cfg)
 
 
+@pytest.mark.parametrize("types", [["sliding_attention"] * 2, None])
+def test_gemma3_whose_layers_all_slide_uses_the_local_rope(tmp_path, types):
+    # All layers slide (said, or fewer layers than sliding_window_pattern): one model-wide
+    # window, and every layer must rotate with the local θ, not the global one.
+    rope = {
+        "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+    }
+    cfg = SMALL | dict(num_key_value_heads=2, sliding_window=6, rope_parameters=rope)
+    if types is not None:
+        cfg["layer_types"] = types
+    check_family(tmp_path, "Gemma3TextConfig", "Gemma3ForCausalLM", **cfg)
+
+
 def test_legacy_gelu_is_tanh_and_missing_gemma2_keys_take_transformers_defaults(tmp_path):
     """Gemma's released configs say hidden_act "gelu" and transformers reads it as the tanh
     GELU; a Gemma 2 config without soft-cap keys gets transformers' 50 / 30."""

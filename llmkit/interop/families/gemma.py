@@ -108,6 +108,8 @@ class Gemma(Family):
             local = model.pop("local_position")
             for override in model.get("overrides", []):
                 override["position"] = local
+            if "overrides" not in model and model["attention"].get("window"):
+                model["position"] = local  # every layer slides: no override says so
         return model
 
     def rules(self, cfg: dict[str, Any]) -> list[Rule]:
