@@ -89,3 +89,37 @@ def test_llama_dynamic_ntk_while_the_sequence_grows(tmp_path):
     params = {"rope_theta": 10000.0, "rope_type": "dynamic", "factor": 3.0}
     cfg = SMALL | dict(max_position_embeddings=24, rope_parameters=params)
     check_family(tmp_path, "LlamaConfig", "LlamaForCausalLM", lengths=(19, 5, 12), **cfg)
+
+
+def test_a_bias_the_chosen_model_type_has_no_place_for_is_refused():
+    # transformers reads attention_bias only in Llama and Qwen3(-MoE), mlp_bias only in Llama:
+    # a Mistral (window), Qwen3 (q/k norm) or Qwen2 (q/k/v bias) config would drop them.
+    from llmkit.interop.families.llama import FAMILY
+    from llmkit.interop.family import Refused
+    from llmkit.spec import resolve
+
+    base = dict(vocab_size=97, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64,
+                bias=False, norm={"name": "rmsnorm", "eps": 1e-5}, position={"name": "rope"},
+                ffn={"name": "swiglu", "hidden": 48})  # fmt: skip
+    window = {"attention": {"name": "sliding_window", "window": 8}}
+    mlp_bias = {"ffn": {"name": "swiglu", "hidden": 48, "bias": True}}
+    refused = {
+        "attention biases: transformers' mistral": window | {"attn_out_bias": True},
+        "an MLP bias: transformers' mistral": window | mlp_bias,
+        "an MLP bias: transformers' qwen3": {"qk_transform": {"name": "rmsnorm"}} | mlp_bias,
+        "an MLP bias: transformers' qwen2": {"qkv_bias": True, "attn_out_bias": False} | mlp_bias,
+    }
+    for reason, change in refused.items():
+        with pytest.raises(Refused, match=reason):
+            FAMILY.hf_config(resolve({"model": base | change}))
+    all_biases = {"qkv_bias": True, "attn_out_bias": True}
+    held = FAMILY.hf_config(resolve({"model": base | mlp_bias | all_biases}))
+    assert held["model_type"] == "llama" and held["mlp_bias"] and held["attention_bias"]
+    qwen3 = FAMILY.hf_config(resolve({"model": base | {"qk_transform": {"name": "rmsnorm"}}}))
+    assert qwen3["model_type"] == "qwen3" and "mlp_bias" not in qwen3
+
+
+def test_import_ignores_bias_keys_the_model_type_does_not_read(tmp_path):
+    # A Mistral config saying attention_bias/mlp_bias: transformers builds no biases.
+    cfg = SMALL | dict(sliding_window=8, attention_bias=True, mlp_bias=True)
+    check_family(tmp_path, "MistralConfig", "MistralForCausalLM", **cfg)

@@ -36,6 +36,11 @@ MOE = ("mixtral", "qwen3_moe", "qwen2_moe")
 QWEN_MOE = ("qwen3_moe", "qwen2_moe")
 QK_NORM = ("qwen3", "qwen3_moe")
 QKV_BIAS = ("qwen2", "qwen2_moe")
+#: The model types whose transformers attention reads ``attention_bias`` (q, k, v and o), and
+#: the one whose MLP reads ``mlp_bias``: the others' layers have no such bias whatever their
+#: config says, so import ignores the key there and export refuses a bias they cannot hold.
+ATTENTION_BIAS = ("llama", "qwen3", "qwen3_moe")
+MLP_BIAS = ("llama",)
 #: tie_word_embeddings when a config leaves it out (the config classes' defaults).
 TIED_DEFAULT = {"llama": False, "mistral": False, "mixtral": False, "qwen2": False,
                 "qwen3": False, "qwen3_moe": False, "qwen2_moe": False}  # fmt: skip
@@ -65,7 +70,7 @@ class Llama(Family):
         head_dim = cfg.get("head_dim") or d // heads
         refuse_set(cfg, pretraining_tp=lambda v: v in (None, 1))
         eps = cfg.get("rms_norm_eps", 1e-6)
-        attention_bias = bool(cfg.get("attention_bias", False))
+        attention_bias = mt in ATTENTION_BIAS and bool(cfg.get("attention_bias", False))
         model: dict[str, Any] = {
             **dimensions(cfg, 2048),
             "bias": False,
@@ -142,7 +147,7 @@ class Llama(Family):
             if mt in MOE and i not in dense:
                 out += _moe_rules(cfg, hf, us)
             else:
-                out += gated_mlp(us + "ffn.", hf + "mlp.", bias=bool(cfg.get("mlp_bias")))
+                out += gated_mlp(us + "ffn.", hf + "mlp.", bias=_mlp_bias(cfg))
         out.append(same("norm_f.weight", "model.norm.weight"))
         if not m["tie_embeddings"]:
             out.append(same("lm_head.weight", "lm_head.weight"))
@@ -181,7 +186,12 @@ class Llama(Family):
             "hidden_act": "silu",
             **hf_rope(rs),
         }
-        if mt not in QKV_BIAS:
+        if (qkv_bias or out_bias) and mt not in ATTENTION_BIAS + QKV_BIAS:
+            raise Refused(f"attention biases: transformers' {mt} attention (chosen for the "
+                          "model's window or experts) has none")  # fmt: skip
+        if mt in QKV_BIAS and out_bias:
+            raise Refused(f"an attention output bias: {mt} has q, k, v biases only")
+        if mt in ATTENTION_BIAS:
             cfg["attention_bias"] = bool(qkv_bias)
         elif mt == "qwen2_moe":
             cfg["qkv_bias"] = bool(qkv_bias)
@@ -191,6 +201,8 @@ class Llama(Family):
             e = ffn_opts["expert"]
             if e["name"] != "swiglu":
                 raise Refused(f"MoE experts {e['name']!r}: this family has SwiGLU experts")
+            if m.bias if e.get("bias") is None else e["bias"]:
+                raise Refused(f"MoE experts with biases: {mt} experts have none")
             cfg.update(
                 num_experts_per_tok=ffn_opts["top_k"],
                 router_aux_loss_coef=ffn_opts.get("load_balance_coef", 0.0),
@@ -217,7 +229,12 @@ class Llama(Family):
             if ffn != "swiglu":
                 raise Refused(f"ffn {ffn!r}: this family has a SwiGLU MLP")
             cfg["intermediate_size"] = _hidden(rs, ffn_opts)
-            cfg["mlp_bias"] = bool(m.bias if ffn_opts.get("bias") is None else ffn_opts["bias"])
+            mlp_bias = bool(m.bias if ffn_opts.get("bias") is None else ffn_opts["bias"])
+            if mlp_bias and mt not in MLP_BIAS:
+                raise Refused(f"an MLP bias: transformers' {mt} MLP (chosen for the model's "
+                              "window, q/k norm or q/k/v biases) has none")  # fmt: skip
+            if mt in MLP_BIAS:
+                cfg["mlp_bias"] = mlp_bias
         cfg.update(layers_of.hf_windows(rs, mt))
         return cfg
 
@@ -231,7 +248,11 @@ def _hidden(rs: ResolvedSpec, opts: dict[str, Any]) -> int:
 def _swiglu(cfg: dict[str, Any], hidden: int | None) -> dict[str, Any]:
     if not hidden:
         raise Refused("config.json has no 'intermediate_size'")
-    return {"name": "swiglu", "hidden": hidden, "bias": bool(cfg.get("mlp_bias", False))}
+    return {"name": "swiglu", "hidden": hidden, "bias": _mlp_bias(cfg)}
+
+
+def _mlp_bias(cfg: dict[str, Any]) -> bool:
+    return cfg["model_type"] in MLP_BIAS and bool(cfg.get("mlp_bias", False))
 
 
 def _qwen_dense_layers(cfg: dict[str, Any]) -> list[int]:
