@@ -152,10 +152,30 @@ def note_unknown(tokenizer: Any, text: str, where: str) -> None:
         logging.getLogger("llmkit").info(note)
 
 
-def _interactive(gen: Any, sampling: Any, stream: bool) -> int:
-    """One prompt per line (each continued on its own) until EOF or `exit`."""
+def _record(result: Any, **first: Any) -> dict[str, Any]:
+    """One generation as ``--json`` prints it: ``first``, then the text, ids, finish
+    reason and score."""
+    return {
+        **first,
+        "text": result.text,
+        "ids": result.ids,
+        "finish_reason": result.finish_reason,
+        "score": result.score,
+    }
+
+
+def _write_json(obj: Any) -> None:
+    write(json.dumps(obj, ensure_ascii=False) + "\n")
+
+
+def _interactive(gen: Any, sampling: Any, stream: bool, as_json: bool = False) -> int:
+    """One prompt per line (each continued on its own) until EOF or `exit`; with
+    ``as_json`` one JSON object a line (JSON Lines)."""
     for prompt in _input_lines("llmkit generate: one prompt per line", "> "):
         note_unknown(gen.tokenizer, prompt, "the prompt")
+        if as_json:
+            _write_json(_record(gen.generate(prompt, sampling)[0], prompt=prompt))
+            continue
         if stream and sampling.num_beams == 1:
             _stream_one(gen, prompt, sampling)
         else:
@@ -204,7 +224,7 @@ def _chat(gen: Any, args: argparse.Namespace, sampling: Any, where: str) -> int:
                 "ids": result.ids,
                 "finish_reason": result.finish_reason,
             }
-            write(json.dumps(out, ensure_ascii=False) + "\n")
+            _write_json(out)
         elif not stream:
             write(result.text + "\n")
         return 0
@@ -214,7 +234,10 @@ def _chat(gen: Any, args: argparse.Namespace, sampling: Any, where: str) -> int:
         note_unknown(tokenizer, text, "the message")
         messages.append({"role": "user", "content": text})
         result = chat_reply(gen, messages, sampling, stream)
-        if not stream:
+        if args.json:  # JSON Lines: one object a turn
+            _write_json({"message": text, "reply": result.text, "ids": result.ids,
+                         "finish_reason": result.finish_reason})  # fmt: skip
+        elif not stream:
             write(result.text + "\n")
         messages.append({"role": "assistant", "content": result.text})
     return 0
@@ -240,7 +263,7 @@ def run_generate(args: argparse.Namespace) -> int:
     if args.chat is not None:
         return _chat(gen, args, sampling, str(run.run_dir))
     if args.interactive:
-        return _interactive(gen, sampling, args.stream)
+        return _interactive(gen, sampling, args.stream, args.json)
     prompts = args.prompt or [""]
     for i, prompt in enumerate(prompts):
         note_unknown(gen.tokenizer, prompt, f"prompt {i + 1}" if len(prompts) > 1 else "the prompt")
@@ -256,17 +279,8 @@ def run_generate(args: argparse.Namespace) -> int:
         return 0
     results = gen.generate(prompts, sampling)
     if args.json:
-        out = [
-            {
-                "prompt": p,
-                "text": r.text,
-                "ids": r.ids,
-                "finish_reason": r.finish_reason,
-                "score": r.score,
-            }
-            for p, r in zip(prompts, results)
-        ]
-        write(json.dumps(out if len(out) > 1 else out[0], ensure_ascii=False) + "\n")
+        out = [_record(r, prompt=p) for p, r in zip(prompts, results)]
+        _write_json(out if len(out) > 1 else out[0])
         return 0
     for i, (prompt, r) in enumerate(zip(prompts, results)):
         if i:

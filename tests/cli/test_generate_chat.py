@@ -109,6 +109,14 @@ def test_chat_conversation_from_stdin(chat_run: Path, capsys, monkeypatch) -> No
     assert capsys.readouterr().out.splitlines() == ["ok", "ciao"]
 
 
+def test_chat_conversation_as_json_lines(chat_run: Path, capsys, monkeypatch) -> None:
+    monkeypatch.setattr("sys.stdin", io.StringIO("hi\nbye\n"))
+    argv = ["generate", str(chat_run), "--chat", "--temperature", "0", "--json"]
+    assert cli.main(argv) == 0
+    turns = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(t["message"], t["reply"]) for t in turns] == [("hi", "ok"), ("bye", "ciao")]
+
+
 def test_chat_needs_a_template_and_fits_the_other_flags(chat_run: Path, capsys, tmp_path) -> None:
     plain = tmp_path / "plain"
     shutil.copytree(chat_run, plain, ignore=shutil.ignore_patterns("checkpoints", "data"))

@@ -64,6 +64,19 @@ def test_cli_generate_interactive_reads_prompts_until_exit(run_dir, capsys, monk
     assert "\n".join(lines) == "\n".join(want)
 
 
+def test_cli_generate_interactive_json_prints_one_object_a_prompt(run_dir, capsys,
+                                                                   monkeypatch):  # fmt: skip
+    monkeypatch.setattr("sys.stdin", io.StringIO("the\nfox\n"))
+    argv = ["generate", str(run_dir), "--interactive", "--json", "--max-new-tokens", "4"]
+    assert cli.main([*argv, "--temperature", "0", "--ignore-eos"]) == 0
+    records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    gen = Generator(str(run_dir))
+    for record, prompt in zip(records, ("the", "fox"), strict=True):
+        want = gen.generate(prompt, max_new_tokens=4, temperature=0, ignore_eos=True)[0]
+        assert record["prompt"] == prompt and record["text"] == want.text
+        assert record["ids"] == want.ids and record["finish_reason"] == "length"
+
+
 def test_cli_generate_refuses_bad_settings(run_dir, capsys):
     assert cli.main(["generate", str(run_dir), "--top-p", "2"]) == 2
     assert "top_p" in capsys.readouterr().err
