@@ -137,7 +137,11 @@ def hf_to_llmkit(hf_dir: str | Path, *, attention: str = "sdpa") -> Imported:
         what = f"{d / hf_files.CONFIG}: cannot be read as {cfg['model_type']}"
         raise LlmkitError(f"{what} ({type(exc).__name__}: {exc})") from exc
     tensors = _with_prefix(hf_files.read_weights(d), fam)
-    dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in tensors.values()})
+    sizes: dict[str, int] = {}  # elements by dtype: the checkpoint's is the one most hold
+    for t in tensors.values():
+        name = str(t.dtype).removeprefix("torch.")
+        sizes[name] = sizes.get(name, 0) + t.numel()
+    dtypes = sorted(sizes, key=lambda name: -sizes[name])
     tied = rs.model.tie_embeddings
     ignore = fam.ignore + (("lm_head.weight",) if tied else ())
     try:

@@ -123,3 +123,26 @@ def test_import_ignores_bias_keys_the_model_type_does_not_read(tmp_path):
     # A Mistral config saying attention_bias/mlp_bias: transformers builds no biases.
     cfg = SMALL | dict(sliding_window=8, attention_bias=True, mlp_bias=True)
     check_family(tmp_path, "MistralConfig", "MistralForCausalLM", **cfg)
+
+
+def test_the_source_dtype_is_the_one_most_weights_have(tmp_path):
+    # No dtype in config.json, float32 matrices and bfloat16 norms: the checkpoint is float32
+    # (export --dtype auto writes it back as such).
+    import json
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from llmkit.interop.convert import hf_to_llmkit
+    from tests.interop.hf_parity import make_hf
+
+    make_hf("LlamaConfig", "LlamaForCausalLM", tmp_path, **SMALL)
+    config = json.loads((tmp_path / "config.json").read_text())
+    for key in ("dtype", "torch_dtype"):
+        config.pop(key, None)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    (weights,) = tmp_path.glob("*.safetensors")
+    tensors = load_file(weights)
+    tensors = {k: v.to(torch.bfloat16) if "norm" in k else v for k, v in tensors.items()}
+    save_file(tensors, weights, metadata={"format": "pt"})
+    assert hf_to_llmkit(tmp_path).source_dtype == "float32"
