@@ -86,6 +86,12 @@ def test_legacy_gelu_is_tanh_and_missing_gemma2_keys_take_transformers_defaults(
     assert model.raw["model"]["logit_softcap"] == 30.0
     assert model.spec.layers[1].attention.options.softcap == 50.0
     assert any("--attention flash has no effect" in n for n in model.notes)
+    # head_dim left out: transformers' Gemma configs default to 256, not d_model / n_heads
+    make_hf("GemmaConfig", "GemmaForCausalLM", tmp_path / "g3", **SMALL | {"head_dim": 256})
+    path = tmp_path / "g3" / "config.json"
+    path.write_text(json.dumps({k: v for k, v in json.loads(path.read_text()).items()
+                                if k != "head_dim"}))  # fmt: skip
+    assert hf_to_llmkit(tmp_path / "g3").raw["model"]["head_dim"] == 256
 
 
 def test_a_window_in_a_family_without_windows_is_ignored_as_transformers_does(tmp_path):

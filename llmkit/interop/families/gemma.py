@@ -45,13 +45,15 @@ class Gemma(Family):
     }
 
     defaults: ClassVar[dict[str, dict[str, Any]]] = {
+        "gemma": {"head_dim": 256},
         "gemma2": {
+            "head_dim": 256,
             "attn_logit_softcapping": 50.0,
             "final_logit_softcapping": 30.0,
             "query_pre_attn_scalar": 256,
             "sliding_window": 4096,
         },
-        "gemma3_text": {"query_pre_attn_scalar": 256, "sliding_window": 4096},
+        "gemma3_text": {"head_dim": 256, "query_pre_attn_scalar": 256, "sliding_window": 4096},
     }
 
     # -- import -----------------------------------------------------------------------------
