@@ -37,7 +37,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from llmkit.errors import LlmkitError, SpecError
+from llmkit.errors import LlmkitError, SpecError, first_line
 
 #: Seconds between a running trial's heartbeats; a trial silent for longer is stale.
 HEARTBEAT_S = 20
@@ -134,8 +134,14 @@ def default_out(name: str) -> Path:
     return DEFAULT_ROOT / name
 
 
+#: What fails one trial (recorded, and the study goes on) rather than the whole search.
+FAILURES = (LlmkitError, RuntimeError, ValueError)
+
+
 def _override(path: str, value: Any) -> str:
-    return f"{path}={json.dumps(value)}"
+    from llmkit.experiments.sweep_axes import toml_literal
+
+    return f"{path}={toml_literal(value)}"
 
 
 def check_search(search: SearchSpec, base: Path) -> None:
@@ -244,6 +250,14 @@ def run_search(
     done_states = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
 
     def objective(trial: Any) -> float:
+        try:
+            return run_trial(trial)
+        except FAILURES as exc:  # recorded and reported; Optuna marks the trial failed
+            trial.set_user_attr("error", first_line(exc))
+            log(f"trial {trial.number}: failed: {first_line(exc)}")
+            raise
+
+    def run_trial(trial: Any) -> float:
         values = {p: d.suggest(trial, p) for p, d in search.params.items()}
         run_dir = out_dir / "trials" / f"trial-{trial.number:04d}"
         trial.set_user_attr("run_dir", str(run_dir))
@@ -279,8 +293,11 @@ def run_search(
         log(f"study {search.name}: {done} of {search.trials} trials done; going on")
         study.optimize(
             objective,
-            callbacks=[MaxTrialsCallback(search.trials, states=done_states)],
-            catch=(LlmkitError, RuntimeError, ValueError),
+            callbacks=[
+                MaxTrialsCallback(search.trials, states=done_states),
+                _FailureLimit(study, search.trials, log),
+            ],
+            catch=FAILURES,
         )
     rows = trial_rows(study, search)
     write_results(out_dir, rows, search)
@@ -290,6 +307,28 @@ def run_search(
         default=None,
     )
     return SearchResult(rows, best, out_dir)
+
+
+class _FailureLimit:
+    """Stops a study once as many trials have failed in this call as it was asked to
+    complete (failed trials do not count towards ``trials``, so a search whose every trial
+    fails would otherwise never end), saying why the last one failed."""
+
+    def __init__(self, study: Any, limit: int, log: Callable[[str], None]) -> None:
+        import optuna
+
+        self.fail = optuna.trial.TrialState.FAIL
+        self.before = len(study.get_trials(deepcopy=False, states=(self.fail,)))
+        self.limit, self.log = max(1, limit), log
+
+    def __call__(self, study: Any, trial: Any) -> None:
+        if trial.state != self.fail:
+            return
+        failed = len(study.get_trials(deepcopy=False, states=(self.fail,))) - self.before
+        if failed >= self.limit:
+            reason = trial.user_attrs.get("error", "see the log")
+            self.log(f"study stopped: {failed} trials failed; the last: {reason}")
+            study.stop()
 
 
 def _short(value: Any) -> str:
@@ -303,7 +342,7 @@ def trial_rows(study: Any, search: SearchSpec) -> list[dict[str, Any]]:
     for t in study.get_trials(deepcopy=False):
         row: dict[str, Any] = {"trial": t.number, "state": t.state.name, "value": t.value}
         row.update({p: t.params.get(p) for p in search.params})
-        for key in ("steps", "tokens", "wall_s", "run_dir"):
+        for key in ("steps", "tokens", "wall_s", "run_dir", "error"):
             row[key] = t.user_attrs.get(key)
         if t.intermediate_values:
             row["last_reported_step"] = max(t.intermediate_values)

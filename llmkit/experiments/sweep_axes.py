@@ -168,10 +168,21 @@ class LogUniform(_Table):
             raise ValueError("log_uniform needs two values > 0")
         return ends
 
+    @model_validator(mode="after")
+    def _has_integers(self) -> LogUniform:
+        if self.integer:
+            _integers(*self.log_uniform)
+        return self
+
     def draw(self, rng: random.Random) -> Any:
+        if self.integer:
+            # Each integer k gets the log-width of [k − ½, k + ½] (the ends included whole).
+            a, b = _integers(*self.log_uniform)
+            value = math.exp(rng.uniform(math.log(a - 0.5), math.log(b + 0.5)))
+            return min(max(round(value), a), b)
         lo, hi = (math.log(v) for v in self.log_uniform)
         value = math.exp(rng.uniform(lo, hi))
-        return round(value) if self.integer else float(f"{value:.{SAMPLE_DIGITS}g}")
+        return float(f"{value:.{SAMPLE_DIGITS}g}")
 
 
 class Uniform(_Table):
@@ -180,9 +191,25 @@ class Uniform(_Table):
     uniform: tuple[float, float]
     integer: bool = Field(False, description="Round each draw to an integer.")
 
+    @model_validator(mode="after")
+    def _has_integers(self) -> Uniform:
+        if self.integer:
+            _integers(*self.uniform)
+        return self
+
     def draw(self, rng: random.Random) -> Any:
+        if self.integer:  # every integer of the range equally likely, the ends included
+            return rng.randint(*_integers(*self.uniform))
         value = rng.uniform(*self.uniform)
-        return round(value) if self.integer else float(f"{value:.{SAMPLE_DIGITS}g}")
+        return float(f"{value:.{SAMPLE_DIGITS}g}")
+
+
+def _integers(lo: float, hi: float) -> tuple[int, int]:
+    """The first and last integer of [lo, hi] (either order); none is a ValueError."""
+    a, b = math.ceil(min(lo, hi)), math.floor(max(lo, hi))
+    if a > b:
+        raise ValueError(f"no integer lies in [{lo}, {hi}]")
+    return a, b
 
 
 class Choice(_Table):

@@ -108,3 +108,34 @@ def test_processes_on_one_study_draw_different_trials(tmp_path):
         log=lambda _m: None,
     ).rows  # fmt: skip
     assert rows[0]["optimizer.lr"] != rows[1]["optimizer.lr"]
+
+
+def test_table_choices_reach_the_trials_as_tables(tmp_path):
+    path = write_search(
+        tmp_path,
+        '[params]\n"model.position" = { choice = [{ name = "rope" }, { name = "learned" }] }\n',
+    )
+    result = run_search(path, out=tmp_path / "out", trials=2, log=lambda _m: None)
+    chosen = {json.dumps(r["model.position"], sort_keys=True) for r in result.rows}
+    assert all(r["state"] == "COMPLETE" for r in result.rows) and len(result.rows) == 2
+    assert chosen <= {'{"name": "rope"}', '{"name": "learned"}'}
+
+
+def test_a_search_whose_trials_all_fail_stops_and_says_why(tmp_path, monkeypatch):
+    import llmkit.training
+
+    calls: list[int] = []
+
+    def failing(*_args, **_kwargs):
+        calls.append(1)
+        if len(calls) > 20:
+            raise SystemExit("the search never stopped")
+        raise RuntimeError("out of memory (simulated)")
+
+    monkeypatch.setattr(llmkit.training, "train", failing)
+    path = write_search(tmp_path, '[params]\n"optimizer.lr" = { log_uniform = [1e-4, 1e-2] }\n')
+    said: list[str] = []
+    result = run_search(path, out=tmp_path / "out", trials=3, log=said.append)
+    assert len(calls) == 3 and result.best is None
+    assert [r["state"] for r in result.rows] == ["FAIL"] * 3
+    assert any("3 trials failed" in m and "out of memory (simulated)" in m for m in said)

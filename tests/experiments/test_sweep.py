@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import math
 import os
 import signal
 import subprocess
@@ -585,3 +586,21 @@ def test_branch_budgets_refuse_a_schedule_other_than_wsd_or_a_decay_in_the_warmu
     with pytest.raises(SpecError, match=r"t000-max_steps=3: its decay would start at step 2, wit"):
         run_sweep(early, out=out, log=lambda _: None)
     assert not out.exists()
+
+
+def test_integer_draws_give_every_integer_of_the_range_its_share():
+    import random
+    from collections import Counter
+
+    from llmkit.experiments.sweep_axes import LogUniform, Uniform
+
+    rng = random.Random(0)
+    flat = Counter(Uniform(uniform=(2, 8), integer=True).draw(rng) for _ in range(14_000))
+    assert sorted(flat) == list(range(2, 9))
+    assert all(abs(n / 14_000 - 1 / 7) < 0.015 for n in flat.values())  # the ends too
+    log = Counter(LogUniform(log_uniform=(1, 8), integer=True).draw(rng) for _ in range(14_000))
+    share = {k: math.log((k + 0.5) / (k - 0.5)) / math.log(8.5 / 0.5) for k in range(1, 9)}
+    assert sorted(log) == list(range(1, 9))
+    assert all(abs(log[k] / 14_000 - share[k]) < 0.015 for k in share)
+    with pytest.raises(ValueError, match="no integer"):
+        Uniform(uniform=(2.2, 2.8), integer=True)
