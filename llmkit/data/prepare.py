@@ -413,11 +413,14 @@ class _Encoder:
             self._table = self._tok.char_table()
         clean = [t or "" for t in texts]
         fast = [self._table.encode(t) if self._table else None for t in clean]
-        slow = [t for t, f in zip(clean, fast) if f is None]
+        slow = [t for t, f in zip(clean, fast) if t and f is None]  # empty texts: no ids
         slow_ids = iter(self._tok.encode_batch(slow) if slow else [])
         eos = np.asarray(self.eos, dtype=np.int32)
+        empty = eos[:0] if self._table else []  # the same type as the others in the batch
         ids = [
-            (np.concatenate([f, eos]) if f is not None else next(slow_ids) + self.eos) if t else []
+            (np.concatenate([f, eos]) if f is not None else next(slow_ids) + self.eos)
+            if t
+            else empty
             for t, f in zip(clean, fast)
         ]
         return {"ids": ids, "n_bytes": [len(t.encode("utf-8")) for t in clean]}

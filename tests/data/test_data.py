@@ -391,3 +391,18 @@ def test_data_seed_fixes_the_split_whatever_the_training_seed(tmp_path: Path) ->
 
     assert validation(1, 7) == validation(2, 7)  # one validation set for every seed
     assert validation(1, None) != validation(2, None)  # by default train.seed picks it
+
+
+@pytest.mark.parametrize("kind", ["bpe", "char"])
+def test_empty_documents_add_no_ids_and_shift_none(tmp_path, kind):
+    import datasets
+
+    from llmkit.data.tokenizer import train_bpe, train_char
+
+    docs = ["alpha beta", "", "gamma delta", None, "epsilon zeta"]
+    texts = [d for d in docs if d]
+    tok = train_bpe(texts * 10, 300) if kind == "bpe" else train_char(texts)
+    ds = datasets.Dataset.from_dict({"text": docs})
+    tokens = data_prepare.tokenize_split(ds, tok, tmp_path / "train.bin")
+    want = [i for t in texts for i in [*tok.encode(t), tok.eos_id]]
+    assert tokens.array.tolist() == want
