@@ -508,3 +508,17 @@ def test_padded_examples_matches_a_row_by_row_count() -> None:
         used, cut, left = padded_examples(bounds, mask, block)
         assert used.tolist() == [i for i, k in enumerate(keep) if k]
         assert cut == int((lengths > block + 1).sum()) and left == keep.count(False)
+
+
+def test_json_lines_records_may_hold_unicode_line_separators(tmp_path: Path) -> None:
+    from llmkit.components.dataset.chat import read_records
+
+    records = [
+        {"prompt": "a\u2028b\u0085c", "response": "d\u2029e"},
+        {"prompt": "f", "response": "g"},
+    ]
+    path = tmp_path / "chat.jsonl"
+    path.write_text("\r\n".join(json.dumps(r, ensure_ascii=False) for r in records) + "\n")
+    read = read_records(path)
+    assert [where for where, _ in read] == [f"{path}:1", f"{path}:2"]
+    assert read[0][1][0]["content"] == "a\u2028b\u0085c" and read[0][1][1]["content"] == "d\u2029e"

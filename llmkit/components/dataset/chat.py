@@ -201,7 +201,9 @@ def read_records(path: Path) -> list[tuple[str, list[dict[str, str]]]]:
                 for i, r in enumerate(items)
             ]
     out = []
-    for n, line in enumerate(text.splitlines(), 1):
+    # Lines end at "\n" only: U+2028 and friends (which str.splitlines also breaks at) are
+    # legal, unescaped, inside JSON strings.
+    for n, line in enumerate(text.split("\n"), 1):
         if not line.strip():
             continue
         where = f"{path}:{n}"
@@ -215,7 +217,7 @@ def read_records(path: Path) -> list[tuple[str, list[dict[str, str]]]]:
 
 def _first_line_parses(text: str) -> bool:
     try:
-        json.loads(text.lstrip().splitlines()[0])
+        json.loads(text.lstrip().split("\n", 1)[0])
     except json.JSONDecodeError:
         return False
     return True
