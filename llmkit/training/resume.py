@@ -4,6 +4,7 @@ and which checkpoint every rank resumes from."""
 from __future__ import annotations
 
 import math
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -53,6 +54,19 @@ def check_new_run_dir(rd: Path) -> None:
             "files (a run that stopped before its first checkpoint leaves such a directory): "
             "remove it or choose another --out"
         )
+    if rd.is_dir():
+        clear_setup(rd)
+
+
+def clear_setup(rd: Path) -> None:
+    """Remove what an earlier run left in ``rd`` before its first step: the new run's spec
+    may ask for another tokenizer or data, and must not find the old ones there."""
+    for name in SETUP_FILES:
+        path = rd / name
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
 
 
 def check_same_optimizer(saved: dict[str, Any], edited: ResolvedSpec) -> None:

@@ -366,6 +366,25 @@ def test_a_chat_runs_set_up_files_do_not_make_a_directory_a_run(tmp_path):
     assert restartable(tmp_path)
 
 
+def test_a_new_run_in_a_set_up_directory_makes_its_own_tokenizer(tmp_path):
+    # A run that stopped in its data set-up (corpus too short) left a tokenizer of 6 symbols;
+    # the rerun, on the lengthened corpus, must train its own, not reuse the stale one.
+    from tests.helpers import write_train_spec
+
+    run = tmp_path / "run"
+    short = write_train_spec(tmp_path / "a", "abc abc\n", max_steps=2, eval_interval=2)
+    with pytest.raises(LlmkitError):
+        train(short, run_dir=run, **_quiet())
+    assert restartable(run) and (run / "tokenizer.json").is_file()
+    text = "the quick brown fox jumps over the lazy dog.\n" * 120
+    spec = write_train_spec(tmp_path / "b", text, max_steps=2, eval_interval=2)
+    train(spec, run_dir=run, **_quiet())
+    from llmkit.data.tokenizer import Tokenizer
+
+    tok = Tokenizer.load(run / "tokenizer.json")
+    assert tok.decode(tok.encode("the lazy dog")) == "the lazy dog"
+
+
 # -- 9. permissions ----------------------------------------------------------------------------
 
 
