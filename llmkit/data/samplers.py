@@ -210,6 +210,7 @@ class BlockSampler(_Sampler):
 
     def _start(self, name: str) -> None:
         ws = self.world_size
+        self._shifts: dict[int, int] = {}  # each epoch's grid offset, once computed
         if self.n_blocks >= 2 * ws:  # keep a block spare so epochs can shift the grid
             self.n_blocks -= 1
         self.spare = len(self.data) - 1 - self.n_blocks * self.block_size
@@ -274,7 +275,15 @@ class BlockSampler(_Sampler):
         offset, so later epochs cut the text at new places."""
         if epoch == 0 or self.spare == 0:
             return 0
-        return int(np.random.default_rng([self.seed % 2**63, epoch, 1]).integers(self.spare + 1))
+        known = self._shifts
+        if epoch not in known:
+            rng = np.random.default_rng([self.seed % 2**63, epoch, 1])
+            offset = int(rng.integers(self.spare + 1))
+            if self.mask is not None:  # a grid with too few trained blocks: epoch 0's grid
+                valid = trainable_blocks(self.mask, offset, self.n_blocks, self.block_size)
+                offset = offset if len(valid) >= self.world_size else 0
+            known[epoch] = offset
+        return known[epoch]
 
     def next_batch(self, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Inputs and targets, LongTensors of shape (batch_size, block_size)."""

@@ -522,3 +522,17 @@ def test_json_lines_records_may_hold_unicode_line_separators(tmp_path: Path) -> 
     read = read_records(path)
     assert [where for where, _ in read] == [f"{path}:1", f"{path}:2"]
     assert read[0][1][0]["content"] == "a\u2028b\u0085c" and read[0][1][1]["content"] == "d\u2029e"
+
+
+def test_a_masked_packed_epoch_never_lacks_trained_blocks() -> None:
+    # Trained targets at tokens 1-3 only: a shifted grid can leave none in any block; such
+    # an epoch keeps epoch 0's grid instead of stopping the run.
+    from llmkit.data.samplers import BlockSampler
+
+    mask = np.zeros(1000, np.uint8)
+    mask[1:4] = 1
+    sampler = BlockSampler(np.arange(1000), 8, seed=0, mask=mask)
+    for _ in range(12):  # one trained block an epoch: twelve epochs
+        _, y = sampler.next_batch(1)
+        assert bool((y != -100).any())
+    assert sampler.epoch >= 10
