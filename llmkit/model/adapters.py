@@ -13,6 +13,7 @@ trainable state, which is all a run with adapters saves (its base weights are th
 from __future__ import annotations
 
 import fnmatch
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -54,10 +55,13 @@ def _shared_weights(model: nn.Module) -> set[int]:
     return {k for k, n in seen.items() if n > 1}
 
 
-def attach_adapters(model: nn.Module, resolved: object) -> AdapterReport:
+def attach_adapters(model: nn.Module, resolved: object, also: Sequence[str] = ()) -> AdapterReport:
     """Give every linear layer the resolved adapter component's ``targets`` match an adapter,
-    and freeze all but the adapters and ``also_train``. A pattern that matches no linear
-    layer (or only tied ones) is a one-line error listing the model's linear layers."""
+    and freeze all but the adapters, ``also_train`` and the parameters named in ``also``
+    (those a vocabulary resize gave new rows: they must train, and be saved with the
+    adapters, or the run could not be loaded as it was trained). A pattern that matches no
+    linear layer (or only tied ones) is a one-line error listing the model's linear
+    layers."""
     options = resolved.options  # type: ignore[attr-defined]
     build = resolved.build  # type: ignore[attr-defined]
     shared = _shared_weights(model)
@@ -91,7 +95,7 @@ def attach_adapters(model: nn.Module, resolved: object) -> AdapterReport:
         if not any(_matches(n, [pattern]) for n in extra):
             raise LlmkitError(f"model.adapter.also_train: {pattern!r} matches no parameter")
     params = dict(model.named_parameters())
-    for n in extra:
+    for n in [*extra, *also]:
         params[n].requires_grad_(True)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())

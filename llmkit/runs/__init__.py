@@ -172,8 +172,18 @@ def build_run_model(
                 )
             )
     if adapter is not None:
-        lines.append(attach_adapters(model, adapter).line())
+        # A resized vocabulary's new rows start random: with adapters they train, and are
+        # saved with them (decided by the spec alone, so every load of the run agrees).
+        also = vocabulary_tensors(model) if rs.spec.train.init_resize_vocab else []
+        lines.append(attach_adapters(model, adapter, also=also).line())
     return model, lines
+
+
+def vocabulary_tensors(model: Any) -> list[str]:
+    """The token embedding and an untied head (a tied one is the embedding): what a
+    vocabulary resize changes."""
+    params = dict(model.named_parameters())  # a tied pair is listed once
+    return [n for n in ("tok_emb.weight", "lm_head.weight") if n in params]
 
 
 def load_run(path: str | Path, which: str = "final", device: str = "cpu") -> LoadedRun:

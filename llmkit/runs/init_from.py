@@ -100,6 +100,14 @@ def load_init_weights(
             f"{where}: this model's {missing[0]} {_shape(params[missing[0]])} is not in the "
             f"source ({len(missing)} missing): the architectures differ"
         )
+    shared: dict[int, str] = {}  # one tensor under two names (a tied embedding and head)
+    for name in (k for k in params if k in tensors):
+        first = shared.setdefault(params[name].data_ptr(), name)
+        if first != name and not torch.equal(tensors[first], tensors[name]):
+            raise LlmkitError(
+                f"{where}: this model ties {first} and {name}, the source holds two different "
+                "tensors: set model.tie_embeddings = false as the source has it"
+            )
     plan: list[tuple[str, int | None]] = []  # (name, rows to copy; None = all)
     for name in (k for k in params if k in tensors):  # the model's order
         src, dst = tensors[name], params[name]

@@ -38,8 +38,9 @@ def distillation_kl(
     """Mean over positions whose target is not -100 of KL(softmax(teacher/T) ‖
     softmax(student/T)), in fp32. ``student`` and ``teacher`` are (…, V) logits."""
     keep = targets.reshape(-1) != -100
-    v = student.shape[-1]
-    s = student.reshape(-1, v)[keep].float() / temperature
+    # The ids both predict: a padded vocabulary's extra rows (either side) are no tokens.
+    v = min(student.shape[-1], teacher.shape[-1])
+    s = student.reshape(-1, student.shape[-1])[keep, :v].float() / temperature
     t = teacher.reshape(-1, teacher.shape[-1])[keep, :v].float() / temperature
     per_token = F.kl_div(
         F.log_softmax(s, dim=-1), F.log_softmax(t, dim=-1), log_target=True, reduction="none"
@@ -83,11 +84,6 @@ class Distillation(Objective):
             self.teacher.eval()
         with torch.no_grad():
             teacher_logits = self.teacher(x).logits
-        if teacher_logits.shape[-1] < hard.logits.shape[-1]:
-            raise LlmkitError(
-                f"train.distill: the teacher predicts {teacher_logits.shape[-1]} tokens, "
-                f"fewer than the student's {hard.logits.shape[-1]}"
-            )
         kl = distillation_kl(hard.logits, teacher_logits, y, self.temperature)
         t2 = self.temperature**2
         loss = self.alpha * t2 * kl + (1 - self.alpha) * hard.loss
@@ -114,8 +110,12 @@ def teacher_tokenizer(spec: Any) -> Path | None:
     return path if path.is_file() else None
 
 
-def load_teacher(spec: Any, student_tokenizer: Any, device: torch.device) -> nn.Module:
-    """The frozen teacher model, after checking that it shares the student's tokenizer."""
+def load_teacher(
+    spec: Any, student_tokenizer: Any, device: torch.device, block_size: int | None = None
+) -> nn.Module:
+    """The frozen teacher model, after checking that it shares the student's tokenizer
+    (both models then cover its ids; padding rows beyond them may differ) and reads blocks
+    of ``block_size`` tokens."""
     from llmkit.runs import load_run
 
     run = teacher_run(spec)
@@ -128,5 +128,11 @@ def load_teacher(spec: Any, student_tokenizer: Any, device: torch.device) -> nn.
             f"train.distill.teacher: {run.dir} uses another tokenizer ({len(theirs)} tokens "
             f"against the student's {len(ours)}{example}); teacher and student must share "
             "one (leave tokenizer.path unset to use the teacher's)"
+        )
+    context = loaded.model.config.max_seq_len
+    if block_size is not None and context < block_size:
+        raise LlmkitError(
+            f"train.distill.teacher: {run.dir} reads at most {context} tokens, the student's "
+            f"blocks hold {block_size}; set data.block_size to {context} or less"
         )
     return loaded.model

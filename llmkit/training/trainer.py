@@ -179,7 +179,7 @@ class Trainer:
             raise LlmkitError(f"schedule {sched.name!r}: {exc}") from exc
         self.objective = Objective.from_spec(self.rs)
         if t.distill is not None:
-            teacher = load_teacher(t.distill, self.tokenizer, self.device)
+            teacher = load_teacher(t.distill, self.tokenizer, self.device, self.block_size)
             self.log(
                 f"distill: teacher {t.distill.teacher} (T {t.distill.temperature}, "
                 f"alpha {t.distill.alpha})"
@@ -579,7 +579,9 @@ def _embedding_rows(weights: Path) -> int | None:
     from llmkit.runs.checkpoints import weight_shapes
 
     try:
-        shape = weight_shapes(weights).get("tok_emb.weight")
+        shapes = weight_shapes(weights)
     except (OSError, ValueError, LlmkitError):
         return None
+    # A tied pair is stored once, under lm_head.weight (safetensors keeps one name).
+    shape = shapes.get("tok_emb.weight") or shapes.get("lm_head.weight")
     return shape[0] if shape else None

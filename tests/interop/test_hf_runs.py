@@ -322,3 +322,29 @@ def test_a_base_model_checkpoint_imports(tmp_path, config_cls, base_cls, causal_
     with torch.no_grad():
         gap = (hf_to_llmkit(tmp_path).model(ids).logits - causal(ids).logits).abs().max()
     assert gap <= 1e-4
+
+
+def test_fine_tuning_keeps_a_tied_padded_vocabulary(tmp_path):
+    # A tied pair is stored once (as lm_head.weight): its padded rows are kept all the same.
+    src = tmp_path / "tied-llama"
+    src.mkdir()
+    n = save_tokenizer(src)
+    make_hf("LlamaConfig", "LlamaForCausalLM", src, hidden_size=32, intermediate_size=48,
+            num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+            vocab_size=n + 4, max_position_embeddings=64, tie_word_embeddings=True,
+            eos_token_id=0, bos_token_id=1)  # fmt: skip
+    run = tmp_path / "imported"
+    assert main(["import-hf", str(src), str(run)]) == 0
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(TEXT)
+    spec = tmp_path / "finetune.toml"
+    spec.write_text(
+        f'extends = "{run / "spec.yaml"}"\n'
+        '[data]\nsource = { name = "text", paths = ["' + str(corpus) + '"] }\n'
+        "block_size = 32\n"
+        f'[train]\ninit_from = "{run}"\nmax_steps = 1\nbatch_size = 2\n'
+        "eval_interval = 1\neval_batches = 1\nsample_tokens = 0\nplot = false\n"
+    )
+    out = tmp_path / "ft"
+    assert main(["train", str(spec), "--out", str(out), "--no-progress"]) == 0
+    assert f"vocab_size: {n + 4}" in (out / "spec.yaml").read_text()

@@ -111,3 +111,16 @@ def test_damaged_source_is_reported(tmp_path):
     path.write_bytes(b"\x00" * 64)
     with pytest.raises(LlmkitError, match="unreadable weights"):
         load_init_weights(model(), find_init_source(path), vocab_size=64)
+
+
+def test_a_tied_model_refuses_an_untied_source_and_takes_a_tied_one(tmp_path):
+    # An untied source's embedding and head are two tensors; one tied model parameter can
+    # hold only one of them (the other was silently lost).
+    untied = saved(tmp_path, model(tie_embeddings=False), "untied.safetensors")
+    with pytest.raises(LlmkitError, match="ties tok_emb.weight and lm_head.weight"):
+        load_init_weights(model(tie_embeddings=True), find_init_source(untied), vocab_size=64)
+    src = model(tie_embeddings=True)
+    tied = find_init_source(saved(tmp_path, src, "tied.safetensors"))
+    dst = model(tie_embeddings=True, init_std=0.5)
+    load_init_weights(dst, tied, vocab_size=64)
+    assert torch.equal(dst.tok_emb.weight, src.tok_emb.weight)

@@ -86,6 +86,19 @@ def test_no_teacher_activation_is_kept_for_backward():
     assert seen == [False]
 
 
+def test_padding_rows_on_either_side_are_left_out_of_the_kl():
+    # A padded vocabulary (an imported checkpoint's) on one side: the KL is over the ids
+    # both predict, whichever side has more rows.
+    torch.manual_seed(0)
+    s, t = torch.randn(2, 5, 11), torch.randn(2, 5, 11)
+    y = torch.randint(0, 11, (2, 5))
+    want = distillation_kl(s, t, y, 2.0)
+    padded = torch.cat([s, torch.randn(2, 5, 3)], -1)
+    assert float(distillation_kl(padded, t, y, 2.0)) == pytest.approx(float(want), rel=1e-6)
+    padded = torch.cat([t, torch.randn(2, 5, 3)], -1)
+    assert float(distillation_kl(s, padded, y, 2.0)) == pytest.approx(float(want), rel=1e-6)
+
+
 @pytest.fixture(scope="module")
 def teacher_run(tmp_path_factory) -> Path:
     tmp = tmp_path_factory.mktemp("teacher")
@@ -133,6 +146,18 @@ def test_teacher_and_student_must_share_a_tokenizer(teacher_run, tmp_path):
             ],
             **quiet(),
         )
+    assert "\n" not in str(info.value)
+
+
+def test_a_teacher_must_read_the_students_blocks(teacher_run, tmp_path):
+    spec = write_train_spec(tmp_path / "s", CORPUS, max_steps=2, eval_interval=2)
+    data = yaml.safe_load(spec.read_text())
+    data["model"]["max_seq_len"] = 64
+    data["data"] = {**data["data"], "block_size": 64}  # the teacher reads 32
+    spec.write_text(yaml.safe_dump(data))
+    with pytest.raises(LlmkitError, match=r"reads at most 32 tokens.*hold 64") as info:
+        train(spec, run_dir=tmp_path / "run",
+              overrides=[f"train.distill.teacher={teacher_run}"], **quiet())  # fmt: skip
     assert "\n" not in str(info.value)
 
 

@@ -157,3 +157,23 @@ def test_decoding_computes_each_adapted_weight_once(tuned, monkeypatch):
         ["Tea"], Sampling(temperature=0.0, max_new_tokens=10)
     )
     assert len(calls) == 6  # 2 layers × (qkv, ffn in, ffn out), not once per token
+
+
+def test_adapters_on_a_resized_vocabulary_train_and_keep_the_new_rows(base, tmp_path):
+    # A chat template adds tokens: their embedding rows start random, so they train with
+    # the adapters and are saved with them; every load of the run is then the same model.
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text("\n".join(json.dumps({"prompt": "tea for?", "response": "two"})
+                              for _ in range(60)))  # fmt: skip
+    spec = lora_spec(tmp_path, base, init_resize_vocab=True, max_steps=3, eval_interval=3)
+    data = yaml.safe_load(spec.read_text())
+    data["data"] = {"source": {"name": "chat", "paths": [str(chat)], "template": "chatml"}}
+    spec.write_text(yaml.safe_dump(data))
+    run = tmp_path / "run"
+    train(spec, run_dir=run, **quiet())
+    names, meta = keys(run / "model.safetensors")
+    assert "tok_emb.weight" in names and meta  # saved with the adapters
+    x = torch.tensor([[1, 2, 3, 4, 5]])
+    with torch.no_grad():
+        first, second = (load_run(run).model(x).logits for _ in range(2))
+    assert torch.equal(first, second)
