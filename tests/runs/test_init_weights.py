@@ -117,7 +117,7 @@ def test_a_tied_model_refuses_an_untied_source_and_takes_a_tied_one(tmp_path):
     # An untied source's embedding and head are two tensors; one tied model parameter can
     # hold only one of them (the other was silently lost).
     untied = saved(tmp_path, model(tie_embeddings=False), "untied.safetensors")
-    with pytest.raises(LlmkitError, match="ties tok_emb.weight and lm_head.weight"):
+    with pytest.raises(LlmkitError, match=r"ties tok_emb\.weight and lm_head\.weight"):
         load_init_weights(model(tie_embeddings=True), find_init_source(untied), vocab_size=64)
     src = model(tie_embeddings=True)
     tied = find_init_source(saved(tmp_path, src, "tied.safetensors"))
