@@ -30,7 +30,7 @@ from typing import Any
 import pluggy
 
 from llmkit import hookspecs
-from llmkit.errors import PluginError, RegistryError
+from llmkit.errors import PluginError, RegistryError, first_line
 from llmkit.records import Component, Conflict, Kind, PluginInfo, check_kind
 from llmkit.records import import_target as import_target  # re-exported
 
@@ -141,7 +141,8 @@ class Registry:
             try:
                 plugin = ep.load()
             except Exception as exc:
-                self._fail(PluginInfo(ep.name, dist, version), f"{type(exc).__name__}: {exc}")
+                why = f"{type(exc).__name__}: {first_line(exc)}"
+                self._fail(PluginInfo(ep.name, dist, version), why)
                 continue
             info = self._register(plugin, ep.name, dist, version)
             if info.error is None:
@@ -186,7 +187,7 @@ class Registry:
         except Exception as exc:
             if self.pm.is_registered(plugin):
                 self.pm.unregister(plugin)
-            self._fail(info, f"{type(exc).__name__}: {exc}")
+            self._fail(info, f"{type(exc).__name__}: {first_line(exc)}")
             return info
         self.plugins[name] = info
         return info
@@ -210,7 +211,7 @@ class Registry:
             try:
                 impl.function(register=bind(info))
             except Exception as exc:
-                self._fail(info, f"{hook_name}: {type(exc).__name__}: {exc}")
+                self._fail(info, f"{hook_name}: {type(exc).__name__}: {first_line(exc)}")
 
     def _fail(self, info: PluginInfo, error: str) -> None:
         info.error = error

@@ -579,3 +579,21 @@ def test_plugin_docs_exist_and_their_links_resolve():
     for page in [*docs.glob("*.md"), *PLUGINS.glob("*/README.md"), PLUGINS / "README.md"]:
         for target in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", page.read_text()):
             assert (page.parent / target).exists(), f"{page.relative_to(ROOT)} links to {target}"
+
+
+def test_a_plugins_failure_is_kept_as_one_line():
+    from llmkit import hookimpl
+    from tests.helpers import registry_with
+
+    class Noisy:
+        distribution = "llmkit-noisy"
+        name = "noisy"
+
+        @hookimpl
+        def register_components(self, register):
+            raise RuntimeError("boom while registering\nsecond line\nthird")
+
+    reg = registry_with(Noisy())
+    (failed,) = reg.failures()
+    assert failed.error.endswith("RuntimeError: boom while registering")
+    assert "\n" not in failed.error

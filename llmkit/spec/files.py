@@ -45,7 +45,18 @@ def read_spec_file(path: str | Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise LlmkitError(f"{p}: a spec must be a table/mapping at the top level")
     _check_depth(data, p)
-    return data
+    # A YAML alias is the same object as its anchor: copied apart, so that editing one
+    # place (--set, a merge) never edits the others (the loader bounds the expansion).
+    return _unshared(data) if suffix != ".toml" else data
+
+
+def _unshared(node: Any) -> Any:
+    """``node`` with every table and list copied, aliases included (no memo)."""
+    if isinstance(node, dict):
+        return {k: _unshared(v) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_unshared(v) for v in node]
+    return node
 
 
 def _parse_toml(text: str, p: Path) -> Any:
@@ -167,21 +178,39 @@ def presets() -> dict[str, Path]:
     return {p.stem: p for p in sorted(PRESETS_DIR.glob("*.toml"))}
 
 
-def merge(base: dict[str, Any], child: dict[str, Any]) -> dict[str, Any]:
+def merge(
+    base: dict[str, Any], child: dict[str, Any], path: tuple[str, ...] = ()
+) -> dict[str, Any]:
     """Deep-merge ``child`` over ``base``. A component table whose ``name`` changes is
-    replaced, not merged, so one component's options never leak into another's."""
+    replaced, not merged, so one component's options never leak into another's (a table
+    without ``name`` names its kind's default component)."""
     out = copy.deepcopy(base)
     for key, value in child.items():
         old = out.get(key)
         if (
             isinstance(old, dict)
             and isinstance(value, dict)
-            and not ("name" in value and "name" in old and value["name"] != old["name"])
+            and not ("name" in value and _other_component(old, value["name"], (*path, key)))
         ):
-            out[key] = merge(old, value)
+            out[key] = merge(old, value, (*path, key))
         else:
             out[key] = copy.deepcopy(value)
     return out
+
+
+def _other_component(table: dict[str, Any], name: Any, path: tuple[str, ...]) -> bool:
+    """Whether ``name`` chooses another component than ``table`` (at ``path``) holds: its
+    own ``name``, or without one the default of the kind whose section it is."""
+    if not path:  # the spec's own name, not a component's
+        return False
+    if "name" in table:
+        return table["name"] != name
+    if not table:
+        return False
+    from llmkit.spec.sections import default_component
+
+    default = default_component(path)
+    return default is not None and default != name
 
 
 def load_raw(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
@@ -220,6 +249,8 @@ def parse_value(text: str) -> Any:
         return tomllib.loads(f"v = {text}")["v"]
     except tomllib.TOMLDecodeError:
         return text
+    except RecursionError:
+        raise LlmkitError(f"--set value nested too deeply: {text[:40]}...") from None
 
 
 def apply_override(data: dict[str, Any], assignment: str) -> None:
@@ -249,7 +280,7 @@ def apply_override(data: dict[str, Any], assignment: str) -> None:
         except (ValueError, IndexError) as exc:
             raise LlmkitError(f"--set {key}: no list element {key}") from exc
     elif isinstance(node, dict):
-        if last == "name" and node.get("name") not in (None, value):
+        if last == "name" and _other_component(node, value, tuple(parts[:-1])):
             node.clear()  # a different component: its options start from defaults
         node[last] = value
     else:

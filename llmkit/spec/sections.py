@@ -50,6 +50,24 @@ def layer_kinds(registry: Any) -> list[Any]:
     return [k for k in spec_kinds(registry) if k.per_layer]
 
 
+def default_component(path: list[str] | tuple[str, ...], registry: Any = None) -> str | None:
+    """The default component of the kind whose section is the table at ``path`` (a
+    per-layer override's ``model.overrides.<i>.<slot>`` counts as ``model.<slot>``); None
+    when no kind with a default has that section."""
+    parts = list(path)
+    if len(parts) == 4 and parts[:2] == ["model", "overrides"]:
+        parts = ["model", parts[3]]
+    section = ".".join(parts)
+    if registry is None:
+        from llmkit.registry import get_registry
+
+        registry = get_registry()
+    for kind in spec_kinds(registry):
+        if kind.section == section:
+            return kind.default
+    return None
+
+
 def check_sections(registry: Any) -> list[str]:
     """Problems with the kinds' sections: a parent that is no spec table, or a section that
     is already a plain field of the spec."""

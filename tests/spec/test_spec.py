@@ -334,3 +334,45 @@ def test_bad_files(tmp_path):
         load_spec(write(tmp_path, "x.yaml", "model: [1,\n"))
     with pytest.raises(LlmkitError, match="unknown spec format"):
         load_spec(write(tmp_path, "x.json", "{}"))
+
+
+def test_set_name_renames_the_spec_and_keeps_everything_else():
+    rs = load_spec(SPECS / "tiny.toml", ["name=my-run"])
+    assert (
+        rs.spec.name == "my-run"
+        and rs.model.n_layers == load_spec(SPECS / "tiny.toml").model.n_layers
+    )
+
+
+def test_a_table_without_name_is_the_default_component_when_another_is_chosen(tmp_path):
+    # [optimizer] without a name is AdamW: choosing SGD must not keep AdamW's betas.
+    spec = tiny_spec()
+    spec["optimizer"] = {"lr": 1e-3, "betas": [0.9, 0.95]}
+    assert load_spec_dict(spec, ["optimizer.name=sgd"]).optimizer.name == "sgd"
+    kept = load_spec_dict(spec, ["optimizer.name=adamw"])  # the same component: options stay
+    assert kept.optimizer.options.betas == (0.9, 0.95)
+    write(tmp_path, "base.toml", '[optimizer]\nlr = 1e-3\nbetas = [0.9, 0.95]\n'
+                 "[model]\nd_model = 32\nn_layers = 2\nn_heads = 4\n")  # fmt: skip
+    child = write(tmp_path, "child.toml", 'extends = "base.toml"\n[optimizer]\nname = "sgd"\n')
+    rs = load_spec(child)
+    assert rs.optimizer.name == "sgd" and rs.optimizer.options.lr != 1e-3  # SGD's defaults
+
+
+def test_a_yaml_alias_is_its_own_copy_for_set(tmp_path):
+    path = write(tmp_path, "alias.yaml", """
+        model:
+          d_model: 32
+          n_layers: 4
+          n_heads: 4
+          attention: &attn {name: dense, window: 16}
+          overrides:
+            - layers: "::2"
+              attention: *attn
+    """)  # fmt: skip
+    rs = load_spec(path, ["model.attention.window=8"])
+    assert [plan.attention.options.window for plan in rs.layers] == [16, 8, 16, 8]
+
+
+def test_a_set_value_nested_too_deeply_is_one_line():
+    with pytest.raises(LlmkitError, match="nested too deeply"):
+        parse_value("[" * 5000 + "]" * 5000)
