@@ -21,22 +21,30 @@ def _ident(text: str) -> str:
     return re.sub(r"\W", "_", text)
 
 
-def ref_type(registry: Any, kind: str) -> Any:
-    """A discriminated union of every registered component of ``kind``."""
+def ref_type(registry: Any, kind: str, default: str | None = None) -> Any:
+    """A union of every registered component of ``kind``, told apart by ``name``; the
+    ``default`` component's branch also takes a table without ``name`` (as the loader
+    does), so the union is not a discriminated one then."""
     branches = []
     for rec in registry.list(kind):
         opts = rec.options_model()
+        desc = f"{kind} component {rec.name!r}"
+        name_field = (
+            Field(rec.name, description=desc) if rec.name == default else Field(description=desc)
+        )
         branch = create_model(
             f"{_ident(kind)}__{_ident(rec.name)}",
             __base__=opts,
             __doc__=rec.summary or None,
-            name=(Literal[rec.name], Field(description=f"{kind} component {rec.name!r}")),
+            name=(Literal[rec.name], name_field),
         )
         branches.append(branch)
     if not branches:
         raise ValueError(f"no component of kind {kind!r} is registered")
     if len(branches) == 1:
         return branches[0]
+    if default is not None:
+        return Union[tuple(branches)]  # noqa: UP007
     return Annotated[Union[tuple(branches)], Field(discriminator="name")]  # noqa: UP007
 
 
@@ -48,7 +56,7 @@ def spec_schema(registry: Any) -> dict[str, Any]:
     def ref(kind: Any, optional: bool) -> tuple[Any, Any] | None:
         if not registry.list(kind.name):
             return None  # no component could be written there yet
-        union = ref_type(registry, kind.name)
+        union = ref_type(registry, kind.name, kind.default)
         desc = f"{kind.summary} (see `llmkit list {kind.name}`)."
         if optional:
             return union | None, Field(None, description=desc)

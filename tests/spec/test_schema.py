@@ -64,3 +64,14 @@ def test_loggers_are_a_list_of_registered_loggers(schema):
     assert list(_validator(schema).iter_errors(base))
     base["train"]["loggers"] = [{"name": "nope"}]
     assert list(_validator(schema).iter_errors(base))
+
+
+def test_a_table_without_name_is_the_default_component(schema):
+    # The loader reads [optimizer] lr = 1e-3 as AdamW's table: so does the schema; a table
+    # naming another component, or options the default does not have, still fail.
+    v = _validator(schema)
+    base = {"model": {"d_model": 32, "n_layers": 2, "n_heads": 4}}
+    v.validate({**base, "optimizer": {"lr": 1e-3, "betas": [0.9, 0.95]}})
+    v.validate({**base, "model": {**base["model"], "ffn": {"multiplier": 2.0}}})
+    assert not v.is_valid({**base, "optimizer": {"lr": 1e-3, "no_such_option": 1}})
+    assert not v.is_valid({**base, "optimizer": {"name": "sgd", "betas": [0.9, 0.95]}})
