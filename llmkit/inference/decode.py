@@ -348,7 +348,9 @@ def start_decoding(
 ) -> tuple[list[Row], Iterator[None]]:
     """Validate, then set up one :class:`Row` per prompt and the steps that decode them
     (sampling or beam search, in eval mode under ``torch.inference_mode``, each adapted
-    weight computed once; iterating runs them). ``track_text`` keeps each row's text (streaming)."""
+    weight computed once a step, or once in all when the caller holds
+    ``parametrize.cached()`` around them; iterating runs them). ``track_text`` keeps each
+    row's text (streaming)."""
     cfg.validate()
     if cfg.stop and tokenizer is None:
         raise ValueError("stop strings need a tokenizer")

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.nn.utils import parametrize
 
 from llmkit.inference.decode import start_decoding
 from llmkit.inference.layout import prepare_for_decoding
@@ -27,8 +28,11 @@ def generate_batch(
 ) -> list[GenerationResult]:
     """Generate for prompts of token ids (lengths may differ); one result per prompt."""
     rows, steps = start_decoding(model, [list(p) for p in prompts], cfg, tokenizer, pad_id, False)
-    for _ in steps:
-        pass
+    # No caller code runs between these steps: the contexts every step enters are held for
+    # all of them, so each adapted weight (LoRA, DoRA) is computed once per generation.
+    with torch.inference_mode(), parametrize.cached():
+        for _ in steps:
+            pass
     return [r.result(tokenizer) for r in rows]
 
 
