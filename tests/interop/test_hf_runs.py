@@ -106,7 +106,8 @@ def test_eval_info_and_bench_work_on_the_run(run, checkpoint, tmp_path, capsys):
     assert main([*argv, "--repeats", "1", "--prompt-len", "8"]) == 0
 
 
-def test_fine_tuning_starts_from_the_imported_run(run, tmp_path):
+def finetune_spec(tmp_path: Path, run: Path, steps: int) -> Path:
+    """A spec that fine-tunes the imported ``run`` for ``steps`` steps on TEXT."""
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(TEXT)
     spec = tmp_path / "finetune.toml"
@@ -114,10 +115,15 @@ def test_fine_tuning_starts_from_the_imported_run(run, tmp_path):
         f'extends = "{run / "spec.yaml"}"\n'
         '[data]\nsource = { name = "text", paths = ["' + str(corpus) + '"] }\n'
         "block_size = 32\n"
-        f'[train]\ninit_from = "{run}"\nmax_steps = 2\nbatch_size = 2\n'
-        "eval_interval = 2\neval_batches = 1\nsample_tokens = 0\nplot = false\n"
+        f'[train]\ninit_from = "{run}"\nmax_steps = {steps}\nbatch_size = 2\n'
+        f"eval_interval = {steps}\neval_batches = 1\nsample_tokens = 0\nplot = false\n"
         '[schedule]\nname = "constant"\n'
     )
+    return spec
+
+
+def test_fine_tuning_starts_from_the_imported_run(run, tmp_path):
+    spec = finetune_spec(tmp_path, run, 2)
     out = tmp_path / "ft"
     assert main(["train", str(spec), "--out", str(out), "--no-progress"]) == 0
     assert (out / "model.safetensors").is_file()
@@ -335,16 +341,7 @@ def test_fine_tuning_keeps_a_tied_padded_vocabulary(tmp_path):
             eos_token_id=0, bos_token_id=1)  # fmt: skip
     run = tmp_path / "imported"
     assert main(["import-hf", str(src), str(run)]) == 0
-    corpus = tmp_path / "corpus.txt"
-    corpus.write_text(TEXT)
-    spec = tmp_path / "finetune.toml"
-    spec.write_text(
-        f'extends = "{run / "spec.yaml"}"\n'
-        '[data]\nsource = { name = "text", paths = ["' + str(corpus) + '"] }\n'
-        "block_size = 32\n"
-        f'[train]\ninit_from = "{run}"\nmax_steps = 1\nbatch_size = 2\n'
-        "eval_interval = 1\neval_batches = 1\nsample_tokens = 0\nplot = false\n"
-    )
     out = tmp_path / "ft"
-    assert main(["train", str(spec), "--out", str(out), "--no-progress"]) == 0
+    assert main(["train", str(finetune_spec(tmp_path, run, 1)), "--out", str(out),
+                 "--no-progress"]) == 0  # fmt: skip
     assert f"vocab_size: {n + 4}" in (out / "spec.yaml").read_text()
