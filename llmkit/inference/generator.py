@@ -28,9 +28,10 @@ def generate_batch(
 ) -> list[GenerationResult]:
     """Generate for prompts of token ids (lengths may differ); one result per prompt."""
     rows, steps = start_decoding(model, [list(p) for p in prompts], cfg, tokenizer, pad_id, False)
-    # No caller code runs between these steps: the contexts every step enters are held for
-    # all of them, so each adapted weight (LoRA, DoRA) is computed once per generation.
-    with torch.inference_mode(), parametrize.cached():
+    # No caller code runs between these steps: the parametrization cache every step enters
+    # is held for all of them, so each adapted weight (LoRA, DoRA) is computed once per
+    # generation. (Not inference mode: the weight layout switches before the first step.)
+    with parametrize.cached():
         for _ in steps:
             pass
     return [r.result(tokenizer) for r in rows]
