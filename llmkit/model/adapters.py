@@ -95,11 +95,22 @@ def attach_adapters(model: nn.Module, resolved: object, also: Sequence[str] = ()
         if not any(_matches(n, [pattern]) for n in extra):
             raise LlmkitError(f"model.adapter.also_train: {pattern!r} matches no parameter")
     params = dict(model.named_parameters())
-    for n in [*extra, *also]:
+    for n in [*extra, *(_after_parametrization(n, params) for n in also)]:
         params[n].requires_grad_(True)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
     return AdapterReport(resolved.name, [n for n, _ in chosen], trainable, total)  # type: ignore[attr-defined]
+
+
+def _after_parametrization(name: str, params: dict[str, nn.Parameter]) -> str:
+    """``name`` of a weight, or of its original once an adapter parametrizes it."""
+    if name in params:
+        return name
+    module, _, attr = name.rpartition(".")
+    original = f"{module}.parametrizations.{attr}.original"
+    if original not in params:
+        raise LlmkitError(f"model.adapter: no parameter {name} to train")
+    return original
 
 
 def _generic(name: str) -> str:

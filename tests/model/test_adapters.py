@@ -140,3 +140,17 @@ def test_bad_options_are_spec_errors(bad):
 
     with pytest.raises(SpecError):
         load_spec_dict(tiny_spec(adapter={"name": "lora", **bad}))
+
+
+def test_also_trained_weights_may_be_adapted_layers_too():
+    # A resized vocabulary trains the embedding and an untied head; with an adapter on the
+    # head as well, its original weight is what trains (and is saved).
+    from llmkit.runs import vocabulary_tensors
+
+    rs = load_spec_dict(tiny_spec(adapter={"name": "lora", "rank": 2, "targets": ["lm_head"]},
+                                  tie_embeddings=False))  # fmt: skip
+    m = build_model(rs)
+    attach_adapters(m, rs.components["model.adapter"], also=vocabulary_tensors(m))
+    saved = set(trainable_state(m))
+    assert {"tok_emb.weight", "lm_head.parametrizations.weight.original"} <= saved
+    assert any("lora" in k or "parametrizations.weight.0" in k for k in saved)
