@@ -54,13 +54,12 @@ def check_new_run_dir(rd: Path) -> None:
             "files (a run that stopped before its first checkpoint leaves such a directory): "
             "remove it or choose another --out"
         )
-    if rd.is_dir():
-        clear_setup(rd)
 
 
 def clear_setup(rd: Path) -> None:
     """Remove what an earlier run left in ``rd`` before its first step: the new run's spec
-    may ask for another tokenizer or data, and must not find the old ones there."""
+    may ask for another tokenizer or data, and must not find the old ones there. Called by
+    the new run once it holds the run's lock (a run still setting up holds it)."""
     for name in SETUP_FILES:
         path = rd / name
         if path.is_dir() and not path.is_symlink():

@@ -115,6 +115,8 @@ class Trainer:
             self.progress = False
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._lock_run()
+        if not self.resume and strategy.is_main:
+            resume.clear_setup(self.run_dir)  # an earlier run's, left before its step 1
         torch.manual_seed(t.seed)
         self.device = strategy.device
         self.precision = hardware.choose_precision(t.precision, self.device)

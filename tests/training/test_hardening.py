@@ -385,6 +385,29 @@ def test_a_new_run_in_a_set_up_directory_makes_its_own_tokenizer(tmp_path):
     assert tok.decode(tok.encode("the lazy dog")) == "the lazy dog"
 
 
+def test_a_second_start_leaves_a_run_in_its_set_up_untouched(tmp_path):
+    # The first run holds the lock while it trains its tokenizer: a second start on the same
+    # directory is refused before it clears anything.
+    run = tmp_path / "run"
+    run.mkdir()
+    for name in ("spec.yaml", "resolved.json", "tokenizer.json"):
+        (run / name).write_text("{}")
+    lock = RunLock(run)
+    lock.acquire()
+    try:
+        spec = write_spec(tmp_path, max_steps=2, eval_interval=2)
+        with pytest.raises(RunInUse):
+            train(spec, run_dir=run, **_quiet())
+        assert sorted(p.name for p in run.iterdir()) == [
+            LOCK_FILE,
+            "resolved.json",
+            "spec.yaml",
+            "tokenizer.json",
+        ]
+    finally:
+        lock.release()
+
+
 # -- 9. permissions ----------------------------------------------------------------------------
 
 
