@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 from llmkit.interop import attention_layers as layers_of
+from llmkit.interop.families.neox import attention_biases, effective
 from llmkit.interop.family import (
     Family,
     Refused,
@@ -164,8 +165,7 @@ class Llama(Family):
         qk, qk_opts = same_in_every_layer(rs, "qk_transform")
         ffns = [part(rs, "ffn", j) for j in range(m.n_layers)]
         ffn, ffn_opts = next((f for f in ffns if f[0] == "moe"), ffns[0])
-        qkv_bias = m.bias if m.qkv_bias is None else m.qkv_bias
-        out_bias = m.bias if m.attn_out_bias is None else m.attn_out_bias
+        qkv_bias, out_bias = attention_biases(rs)
         moe = ffn == "moe"
         if moe and ffn_opts.get("routing") == "softmax_topk":
             mt = "qwen3_moe" if qk else "qwen2_moe"
@@ -201,7 +201,7 @@ class Llama(Family):
             e = ffn_opts["expert"]
             if e["name"] != "swiglu":
                 raise Refused(f"MoE experts {e['name']!r}: this family has SwiGLU experts")
-            if m.bias if e.get("bias") is None else e["bias"]:
+            if effective(rs, e.get("bias")):
                 raise Refused(f"MoE experts with biases: {mt} experts have none")
             cfg.update(
                 num_experts_per_tok=ffn_opts["top_k"],
@@ -229,7 +229,7 @@ class Llama(Family):
             if ffn != "swiglu":
                 raise Refused(f"ffn {ffn!r}: this family has a SwiGLU MLP")
             cfg["intermediate_size"] = _hidden(rs, ffn_opts)
-            mlp_bias = bool(m.bias if ffn_opts.get("bias") is None else ffn_opts["bias"])
+            mlp_bias = effective(rs, ffn_opts.get("bias"))
             if mlp_bias and mt not in MLP_BIAS:
                 raise Refused(f"an MLP bias: transformers' {mt} MLP (chosen for the model's "
                               "window, q/k norm or q/k/v biases) has none")  # fmt: skip
