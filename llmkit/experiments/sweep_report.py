@@ -126,7 +126,6 @@ def write_results(
 ) -> None:
     """``results.jsonl`` and ``results.csv`` (lists and tables as JSON), each replaced
     atomically."""
-
     cols = columns(axes, extra)
     lines = "".join(json.dumps({c: row.get(c) for c in cols}) + "\n" for row in rows)
     write_text_atomic(out / "results.jsonl", lines)

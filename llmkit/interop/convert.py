@@ -11,6 +11,7 @@ model (so a setting the family would drop is refused, by name, instead of lost).
 from __future__ import annotations
 
 import copy
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -137,11 +138,10 @@ def hf_to_llmkit(hf_dir: str | Path, *, attention: str = "sdpa") -> Imported:
         what = f"{d / hf_files.CONFIG}: cannot be read as {cfg['model_type']}"
         raise LlmkitError(f"{what} ({type(exc).__name__}: {exc})") from exc
     tensors = _with_prefix(hf_files.read_weights(d), fam)
-    sizes: dict[str, int] = {}  # elements by dtype: the checkpoint's is the one most hold
+    sizes: Counter[str] = Counter()  # elements by dtype: the checkpoint's is the one most hold
     for t in tensors.values():
-        name = str(t.dtype).removeprefix("torch.")
-        sizes[name] = sizes.get(name, 0) + t.numel()
-    dtypes = sorted(sizes, key=lambda name: -sizes[name])
+        sizes[str(t.dtype).removeprefix("torch.")] += t.numel()
+    dtypes = [name for name, _ in sizes.most_common()]
     tied = rs.model.tie_embeddings
     ignore = fam.ignore + (("lm_head.weight",) if tied else ())
     try:
