@@ -164,6 +164,12 @@ def _record(result: Any, **first: Any) -> dict[str, Any]:
     }
 
 
+def _reply_record(result: Any, **first: Any) -> dict[str, Any]:
+    """One chat reply as ``--json`` prints it: ``first``, then the reply, ids and finish
+    reason."""
+    return {**first, "reply": result.text, "ids": result.ids, "finish_reason": result.finish_reason}
+
+
 def _write_json(obj: Any) -> None:
     write(json.dumps(obj, ensure_ascii=False) + "\n")
 
@@ -218,13 +224,7 @@ def _chat(gen: Any, args: argparse.Namespace, sampling: Any, where: str) -> int:
         messages.append({"role": "user", "content": args.chat})
         result = chat_reply(gen, messages, sampling, stream)
         if args.json:
-            out = {
-                "messages": messages,
-                "reply": result.text,
-                "ids": result.ids,
-                "finish_reason": result.finish_reason,
-            }
-            _write_json(out)
+            _write_json(_reply_record(result, messages=messages))
         elif not stream:
             write(result.text + "\n")
         return 0
@@ -235,8 +235,7 @@ def _chat(gen: Any, args: argparse.Namespace, sampling: Any, where: str) -> int:
         messages.append({"role": "user", "content": text})
         result = chat_reply(gen, messages, sampling, stream)
         if args.json:  # JSON Lines: one object a turn
-            _write_json({"message": text, "reply": result.text, "ids": result.ids,
-                         "finish_reason": result.finish_reason})  # fmt: skip
+            _write_json(_reply_record(result, message=text))
         elif not stream:
             write(result.text + "\n")
         messages.append({"role": "assistant", "content": result.text})
