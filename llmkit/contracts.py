@@ -49,6 +49,8 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch import Tensor, nn
 
+from llmkit.dropout import Dropout
+
 #: What the component of the spec table ``train.loss`` (the training objective's seam, read by
 #: ``llmkit.training.objective``) follows, whichever kind declares that section.
 LOSS_CONTRACT = (
@@ -233,7 +235,7 @@ class Block(nn.Module, ABC):
         super().__init__()
         self.options = options
         self.ctx = ctx
-        self.drop = nn.Dropout(ctx.dropout)
+        self.drop = Dropout(ctx.dropout)
 
     def dropout(self, y: Tensor) -> Tensor:
         """Residual dropout of a sublayer's output (skipped in eval and when p = 0)."""

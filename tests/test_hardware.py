@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -55,3 +58,47 @@ def test_an_unwritable_peak_cache_still_gives_the_peak(
     blocked.write_text("")
     monkeypatch.setattr(hardware, "measure_matmul_flops", lambda dtype: 3e11)
     assert hardware.peak_flops(torch.device("cpu"), "fp32", blocked / "cpu-peaks.json") == 3e11
+
+
+_KEPT = """
+import ctypes, sys, torch
+from llmkit import hardware
+assert hardware.reuse_freed_memory() and hardware.reuse_freed_memory()
+class Info(ctypes.Structure):
+    names = "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost"
+    _fields_ = [(name, ctypes.c_size_t) for name in names.split()]
+libc = ctypes.CDLL("libc.so.6")
+libc.mallinfo2.restype = Info
+for _ in range(3):  # a step's activations: 8 × 16 MiB, allocated, touched, freed
+    blocks = [torch.empty(4 << 20).fill_(1.0) for _ in range(8)]
+    del blocks
+print(libc.mallinfo2().fordblks)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
+def test_freed_activations_stay_in_mallocs_heap_for_the_next_step():
+    run = subprocess.run([sys.executable, "-c", _KEPT], capture_output=True, text=True)
+    if "mallinfo2" in run.stderr:
+        pytest.skip("glibc older than 2.33 (no mallinfo2)")
+    assert run.returncode == 0, run.stderr
+    assert int(run.stdout.split()[-1]) >= 8 * (16 << 20)  # heap blocks, free, not unmapped
+
+
+def test_reusing_freed_memory_sets_mallocs_thresholds_once(monkeypatch):
+    calls: list[tuple[int, int]] = []
+
+    def mallopt(param: int, value: int) -> int:
+        calls.append((param, value))
+        return 1
+
+    libc = types.SimpleNamespace(mallopt=mallopt)
+    monkeypatch.setattr(hardware, "_reusing", False)
+    monkeypatch.setattr(hardware.sys, "platform", "linux")
+    monkeypatch.setattr(hardware.ctypes, "CDLL", lambda name: libc)
+    assert hardware.reuse_freed_memory() and hardware.reuse_freed_memory()
+    # M_MMAP_THRESHOLD (−3) at glibc's 64-bit maximum, M_TRIM_THRESHOLD (−1) never reached
+    assert calls == [(-3, 32 << 20), (-1, 2**31 - 1)]
+    monkeypatch.setattr(hardware, "_reusing", False)
+    monkeypatch.setattr(hardware.sys, "platform", "darwin")
+    assert not hardware.reuse_freed_memory()

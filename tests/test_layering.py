@@ -18,8 +18,9 @@ PLUGINS = ROOT / "plugins"
 #: The layers, lowest first. A module may import its own layer and every layer below it.
 LAYERS: list[tuple[str, ...]] = [
     # contracts: what components, kernels, the model and plugins rely on; hardware: device
-    # choice (imports only errors, files); files: atomic writes, full disks
-    ("contracts", "ops", "optim", "errors", "files", "hookspecs", "hardware", "records"),
+    # choice (imports only errors, files); files: atomic writes, full disks; dropout: the
+    # CPU dropout of 16-bit masks
+    ("contracts", "ops", "optim", "errors", "files", "hookspecs", "hardware", "records", "dropout"),
     ("registry",),  # the plugin host
     ("components", "kernels"),
     ("spec", "model"),
@@ -41,7 +42,7 @@ LAYER = {name: i for i, names in enumerate(LAYERS) for name in names}
 #: Narrower than the layers: what these may import (top-level names under ``llmkit``).
 ONLY: dict[str, set[str]] = {
     # Kernels sit beside their references but never reach into components.
-    "kernels": {"contracts", "ops", "kernels"},
+    "kernels": {"contracts", "ops", "dropout", "kernels"},
 }
 
 #: What plugins may import from llmkit: the package itself and these public modules.

@@ -39,6 +39,8 @@ def build_training_step(
     (reading it waits for the device)."""
     dev = torch.device(device)
     precision = hardware.choose_precision(precision, dev)
+    if dev.type == "cpu" and rs.spec.train.reuse_freed_memory:
+        hardware.reuse_freed_memory()  # as the trainer does
     torch.manual_seed(0)
     model = build_model(rs).to(dev).train()
     optimizer = rs.optimizer.build(model, rs.optimizer.options)

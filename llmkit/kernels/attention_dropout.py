@@ -6,18 +6,22 @@ There, ``F.scaled_dot_product_attention`` with dropout leaves its fused kernel f
 path, whose ``bernoulli_`` mask costs 8× the q·kᵀ product itself (80 ms against 9.5 ms for
 B 16, H 6, L 256 on a 2-core EPYC): most of what attention dropout costs a baby-GPT step.
 
-Here the keep mask comes from 16 random bits an element (:func:`keep_mask`: ``random_`` on
-int64 words, each cut into four int16 lanes, 15 ms for the same shape), so the dropout rate
-is ``p`` rounded to a multiple of 1/65536 (0.2 → 0.199997). A causal call runs in up to
+Here the keep mask comes from 16 random bits an element (:func:`llmkit.dropout.keep_mask`,
+15 ms for the same shape), so the dropout rate is ``p`` rounded to a multiple of 2⁻¹⁶ (0.2 →
+0.199997; the kept values are scaled by the exact 1 / (1 − rate)). A causal call runs in up to
 four blocks of query rows, each against the keys up to its last query (:func:`row_blocks`),
-skipping most of the masked upper triangle. The forward keeps the probabilities (in the
-compute dtype) and the mask (bool), as the math path does; the backward is the
-analytic one: dV = (P∘keep)ᵀ·dO/(1−p), dS = P ∘ (dP̃∘keep/(1−p) − δ) with dP̃ = dO·vᵀ and
-δ = rowsum(dO ∘ O), dQ = dS·k/√d, dK = dSᵀ·q/√d (and the bias gets dS, summed over its
-broadcast dimensions, when it needs a gradient).
+skipping most of the masked upper triangle. The forward keeps the probabilities (fp32 or
+fp64) and the mask (bool), as the math path does; the backward is the analytic one: dV =
+(P∘keep)ᵀ·dO/(1−p), dS = P ∘ (dP̃∘keep/(1−p) − δ) with dP̃ = dO·vᵀ and δ = rowsum(dO ∘ O),
+dQ = dS·k/√d, dK = dSᵀ·q/√d (and the bias gets dS, summed over its broadcast dimensions,
+when it needs a gradient).
 
-bf16 and fp16 tensors are computed in fp32 (autocast off inside) and the output cast back,
-as SDPA's math path does with them on a CPU.
+bf16 tensors (autocast on a CPU with AVX512-BF16 or AMX, where ``precision = "auto"`` picks
+bf16) run the five products in bf16, about 5× the fp32 speed there, and the rest in fp32: the
+scores are widened before the bias and the softmax, P and dS are rounded to bf16 only as
+inputs of a product, and dQ, dK, dV accumulate in fp32 — the precision of a bf16
+``q @ kᵀ`` under autocast, where SDPA's math path would widen everything to fp32. fp16
+tensors are computed in fp32 and the output cast back, as SDPA's math path does on a CPU.
 """
 
 from __future__ import annotations
@@ -31,10 +35,9 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from llmkit.contracts import DistanceBias
+from llmkit.dropout import keep_masks
 from llmkit.ops import check_shapes, expand_kv, sdpa_mask
 
-#: Random bits drawn for each element's keep/drop decision.
-BITS = 16
 #: Causal calls are cut into up to MAX_BLOCKS row blocks of at least BLOCK_ROWS rows
 #: (:func:`row_blocks`).
 BLOCK_ROWS = 64
@@ -45,16 +48,6 @@ def applies(q: Tensor, dropout_p: float) -> bool:
     """Whether :func:`dropout_attention` is the path for these queries: dropout on, a CPU
     tensor."""
     return dropout_p > 0.0 and q.device.type == "cpu"
-
-
-def keep_mask(shape: tuple[int, ...], p: float, device: torch.device | str = "cpu") -> Tensor:
-    """A bool tensor of ``shape``, each element True with probability 1 − p (p rounded to a
-    multiple of 2⁻¹⁶), from torch's default generator for ``device``."""
-    n = math.prod(shape)
-    words = -(-n // 4)
-    bits = torch.empty(words, dtype=torch.int64, device=device).random_(-(2**63), 2**63 - 1)
-    lanes = bits.view(torch.int16)[:n].view(shape)
-    return lanes >= -(2 ** (BITS - 1)) + round(p * 2**BITS)
 
 
 def row_blocks(tq: int, tk: int, causal: bool) -> list[tuple[int, int, int]]:
@@ -69,19 +62,11 @@ def row_blocks(tq: int, tk: int, causal: bool) -> list[tuple[int, int, int]]:
     return [(r0, r1, tk - tq + r1) for r0, r1 in itertools.pairwise(bounds)]
 
 
-def keep_masks(
-    shapes: list[tuple[int, ...]], p: float, device: torch.device | str = "cpu"
-) -> list[Tensor]:
-    """:func:`keep_mask` for several shapes, from one draw (views of it, in order)."""
-    sizes = [math.prod(shape) for shape in shapes]
-    flat = keep_mask((sum(sizes),), p, device)
-    return [m.view(shape) for m, shape in zip(flat.split(sizes), shapes, strict=True)]
-
-
 class DropoutAttention(torch.autograd.Function):
     """(B, H, Tq, D) attention with dropout; ``bias`` additive, broadcastable to
     (B, H, Tq, Tk), −inf wherever a query may not look (beyond its own position if
-    ``causal``)."""
+    ``causal``). A bias in q's dtype is added by the score product itself; a wider one (a
+    distance bias with bf16 queries) after it, in its own dtype."""
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -95,25 +80,31 @@ class DropoutAttention(torch.autograd.Function):
         ctx: Any, q: Tensor, k: Tensor, v: Tensor, bias: Tensor, p: float, causal: bool
     ) -> Tensor:
         scale = 1.0 / math.sqrt(q.shape[-1])
-        b, h, tq, _ = q.shape
+        b, h, tq = q.shape[:3]
+        low, wide = q.dtype, _wide(q.dtype)
+        # (B·H, T, D): bmm reads the transposed views below without copying them.
+        q3, k3, v3 = (x.reshape(b * h, x.shape[2], x.shape[3]) for x in (q, k, v))
         blocks = row_blocks(tq, k.shape[2], causal)
-        keeps = keep_masks([(b, h, r1 - r0, keys) for r0, r1, keys in blocks], p, q.device)
-        out = q.new_empty(b, h, tq, v.shape[-1])
-        probs = []
+        # Each mask holds 0 or 1/(1−p), so no other factor appears in either direction.
+        keeps = keep_masks([(b * h, r1 - r0, keys) for r0, r1, keys in blocks], p, wide, q.device)
+        out = q3.new_empty(b * h, tq, v.shape[-1])
+        probs, kept = [], []
         for (r0, r1, keys), keep in zip(blocks, keeps, strict=True):
-            s = q.new_empty(b, h, r1 - r0, keys)
-            for i in range(b):  # the bias is broadcast over heads (and batch) by baddbmm
-                bias_i = bias[i if bias.shape[0] > 1 else 0][..., r0:r1, :keys]
-                qi, ki = q[i, :, r0:r1], k[i, :, :keys].transpose(1, 2)
-                torch.baddbmm(bias_i, qi, ki, alpha=scale, out=s[i])
-            prob = torch.softmax(s, -1, out=s)
-            out[:, :, r0:r1] = torch.matmul(prob * keep, v[:, :, :keys])
+            bias3 = _per_head(bias[..., r0:r1, :keys], b, h)
+            qk = (q3[:, r0:r1], k3[:, :keys].transpose(1, 2))
+            if bias.dtype == low:
+                s = torch.baddbmm(bias3, *qk, alpha=scale)
+            else:  # the product in `low`, the bias and everything after in its dtype
+                s = torch.add(bias3, torch.bmm(*qk), alpha=scale)
+            prob = torch.softmax(s, -1, dtype=wide)
+            pk = torch.mul(prob, keep, out=torch.empty_like(prob, dtype=low))
+            out[:, r0:r1] = torch.bmm(pk, v3[:, :keys])
             probs.append(prob)
-        out.mul_(1.0 / (1.0 - p))
-        ctx.save_for_backward(q, k, v, out, *probs, *keeps)
-        ctx.p, ctx.scale, ctx.blocks = p, scale, blocks
+            kept.append(pk if low != wide else None)  # recomputed when it costs no rounding
+        ctx.save_for_backward(q3, k3, v3, out, *probs, *keeps)
+        ctx.kept, ctx.scale, ctx.blocks = kept, scale, blocks
         ctx.bias_shape = bias.shape if bias.requires_grad else None
-        return out
+        return out.view(b, h, tq, -1)
 
     @staticmethod
     @once_differentiable
@@ -123,31 +114,49 @@ class DropoutAttention(torch.autograd.Function):
 
     @staticmethod
     def _backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
-        q, k, v, out, *saved = ctx.saved_tensors
+        q3, k3, v3, out, *saved = ctx.saved_tensors
         blocks = ctx.blocks
         probs, keeps = saved[: len(blocks)], saved[len(blocks) :]
-        grad = grad.contiguous()
-        # dS·(1−p) = P ∘ (dP̃∘keep − δ·(1−p)); the factor 1/(1−p) goes to the results.
-        delta = torch.linalg.vecdot(grad, out)[..., None].mul_(1.0 - ctx.p)
-        dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        dbias = None if ctx.bias_shape is None else q.new_zeros(ctx.bias_shape)
-        for (r0, r1, keys), prob, keep in zip(blocks, probs, keeps, strict=True):
-            g = grad[:, :, r0:r1]
-            dv[:, :, :keys] += torch.matmul((prob * keep).transpose(-1, -2), g)
-            ds = torch.matmul(g, v[:, :, :keys].transpose(-1, -2))
-            ds.mul_(keep).sub_(delta[:, :, r0:r1]).mul_(prob)
-            dq[:, :, r0:r1] = torch.matmul(ds, k[:, :, :keys])
-            dk[:, :, :keys] += torch.matmul(ds.transpose(-1, -2), q[:, :, r0:r1])
+        low, wide = q3.dtype, _wide(q3.dtype)
+        b, h, tq, d = grad.shape
+        g3 = grad.reshape(b * h, tq, d)
+        # dS = P ∘ (dP∘keep − δ) with dP = dO·vᵀ and δ = rowsum(dO ∘ O).
+        delta = torch.linalg.vecdot(g3.to(wide), out.to(wide))[..., None]
+        dq = torch.empty_like(q3)
+        dk, dv = torch.zeros_like(k3, dtype=wide), torch.zeros_like(v3, dtype=wide)
+        dbias = None if ctx.bias_shape is None else q3.new_zeros(ctx.bias_shape, dtype=wide)
+        for (r0, r1, keys), prob, keep, pk in zip(blocks, probs, keeps, ctx.kept, strict=True):
+            g = g3[:, r0:r1]
+            pk = prob * keep if pk is None else pk
+            dv[:, :keys] += torch.bmm(pk.transpose(1, 2), g)
+            ds = torch.mul(torch.bmm(g, v3[:, :keys].transpose(1, 2)), keep)
+            ds.sub_(delta[:, r0:r1]).mul_(prob)
+            ds_low = torch.mul(ds, ctx.scale, out=torch.empty_like(ds, dtype=low))
+            dq[:, r0:r1] = torch.bmm(ds_low, k3[:, :keys])
+            dk[:, :keys] += torch.bmm(ds_low.transpose(1, 2), q3[:, r0:r1])
             if dbias is not None:
                 shape = (*ctx.bias_shape[:2], r1 - r0, keys)
-                dbias[..., r0:r1, :keys] += ds.sum_to_size(shape)
-        inv = 1.0 / (1.0 - ctx.p)
-        dq.mul_(inv * ctx.scale)
-        dk.mul_(inv * ctx.scale)
-        dv.mul_(inv)
-        if dbias is not None:
-            dbias.mul_(inv)
-        return dq, dk, dv, dbias, None, None
+                dbias[..., r0:r1, :keys] += ds.view(b, h, r1 - r0, keys).sum_to_size(shape)
+        return (
+            dq.view(b, h, tq, d),
+            dk.to(low).view(b, h, -1, d),
+            dv.to(low).view(b, h, -1, v3.shape[-1]),
+            dbias,
+            None,
+            None,
+        )
+
+
+def _wide(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the softmax, the masks and the accumulations for products in ``dtype``."""
+    return torch.float32 if dtype == torch.bfloat16 else dtype
+
+
+def _per_head(bias: Tensor, b: int, h: int) -> Tensor:
+    """A (B or 1, H or 1, R, K) bias as a (B·H or 1, R, K) one for bmm's batch of heads."""
+    if bias.shape[0] == bias.shape[1] == 1:
+        return bias[0]
+    return bias.expand(b, h, *bias.shape[2:]).reshape(b * h, *bias.shape[2:])
 
 
 def dropout_attention(
@@ -165,10 +174,13 @@ def dropout_attention(
     probabilities; see the module docstring."""
     groups = check_shapes(q, k, v)
     dtype = q.dtype
-    if dtype not in (torch.float32, torch.float64):
+    if dtype not in (torch.float32, torch.float64, torch.bfloat16):
         q, k, v = q.float(), k.float(), v.float()
     tq, tk = q.shape[2], k.shape[2]
-    mask, empty = sdpa_mask(q, tk, causal=causal, bias=bias, key_padding_mask=key_padding_mask)
+    # A distance bias in the softmax's dtype; a 0/−inf mask, exact in bf16, in q's own.
+    wide = _wide(q.dtype)
+    like_q = q.new_empty(1, 1, tq, 0, dtype=wide)  # what sdpa_mask reads: length, device, dtype
+    mask, empty = sdpa_mask(like_q, tk, causal=causal, bias=bias, key_padding_mask=key_padding_mask)
     # Additive, (B or 1, H or 1, Tq, Tk): the bias, or 0 / −inf from a boolean mask.
     if mask is None:
         additive = q.new_zeros(1, 1, tq, tk)

@@ -24,6 +24,7 @@ from llmkit.contracts import (
     PositionalScheme,
     SideOutputs,
 )
+from llmkit.dropout import Dropout
 from llmkit.errors import LlmkitError
 from llmkit.model import accounting
 from llmkit.model.attention import Attention
@@ -115,7 +116,7 @@ class Transformer(nn.Module):
                 self.layer_positions[key] = build(plan.position, replace(ctx, layer=j))
                 keys[id(plan.position)] = key
             self._position_keys.append(keys[id(plan.position)])
-        self.drop = nn.Dropout(m.dropout)
+        self.drop = Dropout(m.dropout)
         built = [build_layer(plan, replace(ctx, layer=j)) for j, plan in enumerate(rs.layers)]
         self.layers = nn.ModuleList(block for block, _ in built)
         self._attention = [attention for _, attention in built]  # not registered twice

@@ -249,6 +249,12 @@ class TrainSpec(Strict):
     )
     device: str = Field("auto", description="auto (cuda, mps, cpu), cpu, cuda, cuda:N or mps.")
     compile: bool = Field(False, description="Wrap the model in torch.compile.")
+    reuse_freed_memory: bool = Field(
+        True,
+        description="On a Linux CPU, let malloc keep freed blocks of up to 32 MiB for reuse "
+        "instead of unmapping them: no page faults on each step's activations (about 15 % of "
+        "a bf16 step); the process keeps its peak memory.",
+    )
     activation_checkpointing: bool = Field(
         False, description="Recompute each block's activations in backward."
     )

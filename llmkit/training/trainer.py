@@ -121,6 +121,8 @@ class Trainer:
         self.device = strategy.device
         self.precision = hardware.choose_precision(t.precision, self.device)
         strategy.check_precision(self.precision)
+        if self.device.type == "cpu" and t.reuse_freed_memory:
+            hardware.reuse_freed_memory()
 
         init = self._init_source()  # before any data is read: a bad source fails at once
         adopt = self._tokenizer_source(init)

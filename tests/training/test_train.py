@@ -312,6 +312,17 @@ def test_bf16_autocast_trains_on_cpu(tmp_path, precision):
     assert all(math.isfinite(m["loss"]) for m in result.history if "loss" in m)
 
 
+@pytest.mark.parametrize("reuse", [True, False])
+def test_the_trainer_reuses_freed_memory_on_a_cpu_unless_told_not_to(tmp_path, monkeypatch, reuse):
+    from llmkit import hardware
+
+    calls: list[bool] = []
+    monkeypatch.setattr(hardware, "reuse_freed_memory", lambda: calls.append(True) or True)
+    spec = write_spec(tmp_path, max_steps=2, eval_interval=2, reuse_freed_memory=reuse)
+    train(spec, run_dir=tmp_path / "run", **_quiet())
+    assert calls == ([True] if reuse else [])
+
+
 def test_fp16_is_refused_on_cpu(tmp_path):
     spec = write_spec(tmp_path, max_steps=3, precision="fp16")
     with pytest.raises(LlmkitError, match="fp16 needs a CUDA GPU"):
