@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import math
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -82,19 +84,70 @@ def reuse_freed_memory() -> bool:
     return _reusing
 
 
-def choose_precision(requested: str, device: torch.device) -> str:
-    """Resolve ``auto``: bf16 where the hardware runs it fast, else fp32. Never fp16 on CPU."""
+#: ``auto`` trains in bf16 on a CPU with fast bf16 only when casting to bf16 and multiplying
+#: at the model's feed-forward shape runs at least this much faster than the fp32 product:
+#: below that the casts around every product eat the gain. Measured on a 2-core EPYC with
+#: AVX512-BF16 (docs/benchmarks.md), product speed-up → whole training step, fp32 against
+#: bf16: 4×64 model at 256 tokens a step, 0.83–1.02× → 10–12 ms against 15–16 ms; at 512
+#: tokens 1.10–1.30× → 15 against 15–17 ms; nanoGPT's 4×128 shakespeare model at 768
+#: tokens, 1.7–2.0× → 50–54 against 38 ms.
+BF16_MIN_SPEEDUP = 1.5
+
+
+def choose_precision(
+    requested: str,
+    device: torch.device,
+    shape: tuple[int, int, int] | None = None,
+    cache: Path | None = None,
+) -> str:
+    """Resolve ``auto``: bf16 where the hardware runs it fast, else fp32; never fp16 on a
+    CPU. On a CPU with fast bf16, ``shape`` (tokens a micro-batch, d_model, the feed-forward
+    width) narrows it to the models whose products gain enough from it
+    (:func:`bf16_speedup`, at least :data:`BF16_MIN_SPEEDUP`)."""
     if requested == "auto":
         if device.type == "cuda":
             return "bf16" if torch.cuda.is_bf16_supported() else "fp32"
         if device.type == "cpu":
-            return "bf16" if cpu_has_fast_bf16() else "fp32"
+            if not cpu_has_fast_bf16():
+                return "fp32"
+            if shape is None:
+                return "bf16"
+            return "bf16" if bf16_speedup(shape, cache) >= BF16_MIN_SPEEDUP else "fp32"
         return "fp32"
     if requested == "fp16" and device.type != "cuda":
         raise LlmkitError(
             f"train.precision: fp16 needs a CUDA GPU (on {device.type} use bf16 or fp32)"
         )
     return requested
+
+
+def bf16_speedup(shape: tuple[int, int, int], cache: Path | None = None) -> float:
+    """fp32 time ÷ bf16 time of a (rows × inner) · (inner × outer) product on this CPU, the
+    bf16 side including the casts of its input and output, as autocast runs it. The shape is
+    capped at 1024 × 1024 × 4096 (larger products only gain more); the answer is kept in the
+    JSON file ``cache`` like :func:`peak_flops`' (so a machine decides the same way each
+    time)."""
+    rows, inner, outer = min(shape[0], 1024), min(shape[1], 1024), min(shape[2], 4096)
+    key = f"bf16 speedup {rows}x{inner}x{outer}"
+    return _measured(cache, key, lambda: measure_bf16_speedup(rows, inner, outer))
+
+
+def measure_bf16_speedup(rows: int, inner: int, outer: int, seconds: float = 0.1) -> float:
+    """fp32 ÷ bf16 (with casts) time of one product, best of each over about ``seconds``,
+    the two timed in turn."""
+    gen = torch.Generator().manual_seed(0)  # leaves the global RNG (dropout, data) alone
+    a, b = torch.randn(rows, inner, generator=gen), torch.randn(inner, outer, generator=gen)
+    runs = (lambda: a @ b, lambda: (a.bfloat16() @ b.bfloat16()).float())
+    best = [math.inf, math.inf]
+    for run in runs:
+        run()  # warm-up
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline or math.inf in best:
+        for i, run in enumerate(runs):
+            t0 = time.perf_counter()
+            run()
+            best[i] = min(best[i], time.perf_counter() - t0)
+    return best[0] / best[1]
 
 
 def autocast(device: torch.device, precision: str) -> Any:
@@ -121,25 +174,31 @@ def peak_flops(device: torch.device, precision: str, cache: Path | None = None) 
     if device.type != "cpu":
         return None
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    return _measured(cache, str(dtype), lambda: measure_matmul_flops(dtype))
+
+
+def _measured(cache: Path | None, what: str, measure: Callable[[], float]) -> float:
+    """``measure()``, or the figure the JSON file ``cache`` keeps for ``what`` on this CPU,
+    thread count and torch version (written there after a measurement)."""
     if cache is None:
-        return measure_matmul_flops(dtype)
+        return measure()
     import json
 
-    key = f"{cpu_name()}|threads {torch.get_num_threads()}|torch {torch.__version__}|{dtype}"
+    key = f"{cpu_name()}|threads {torch.get_num_threads()}|torch {torch.__version__}|{what}"
     known: Any = {}
     with contextlib.suppress(OSError, ValueError):
         known = json.loads(cache.read_text())
     if not isinstance(known, dict):
         known = {}
-    flops = known.get(key)
-    if isinstance(flops, float) and flops > 0:
-        return flops
-    flops = measure_matmul_flops(dtype)
+    value = known.get(key)
+    if isinstance(value, float) and value > 0:
+        return value
+    value = measure()
     with contextlib.suppress(OSError):  # a cache that cannot be written costs a measurement
         cache.parent.mkdir(parents=True, exist_ok=True)
         with replacing(cache) as tmp:
-            tmp.write_text(json.dumps({**known, key: flops}))
-    return flops
+            tmp.write_text(json.dumps({**known, key: value}))
+    return value
 
 
 def cpu_name() -> str:

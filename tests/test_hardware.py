@@ -102,3 +102,32 @@ def test_reusing_freed_memory_sets_mallocs_thresholds_once(monkeypatch):
     monkeypatch.setattr(hardware, "_reusing", False)
     monkeypatch.setattr(hardware.sys, "platform", "darwin")
     assert not hardware.reuse_freed_memory()
+
+
+@pytest.mark.parametrize(("speedup", "want"), [(2.0, "bf16"), (1.2, "fp32")])
+def test_auto_takes_bf16_on_a_cpu_only_where_the_models_products_gain(
+    monkeypatch, tmp_path, speedup, want
+):
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(hardware, "cpu_has_fast_bf16", lambda: True)
+    measured: list[tuple[int, int, int]] = []
+
+    def measure(rows, inner, outer, seconds=0.1):
+        measured.append((rows, inner, outer))
+        return speedup
+
+    monkeypatch.setattr(hardware, "measure_bf16_speedup", measure)
+    cache = tmp_path / "peaks.json"
+    assert hardware.choose_precision("auto", cpu) == "bf16"  # no shape: the hardware alone
+    assert hardware.choose_precision("auto", cpu, (768, 128, 512), cache) == want
+    assert hardware.choose_precision("auto", cpu, (768, 128, 512), cache) == want
+    assert measured == [(768, 128, 512)]  # the second answer came from the cache
+    hardware.choose_precision("auto", cpu, (8192, 4096, 16384), cache)
+    assert measured[-1] == (1024, 1024, 4096)  # capped
+    assert hardware.choose_precision("fp32", cpu, (768, 128, 512), cache) == "fp32"
+    monkeypatch.setattr(hardware, "cpu_has_fast_bf16", lambda: False)
+    assert hardware.choose_precision("auto", cpu, (4096, 384, 1536), cache) == "fp32"
+
+
+def test_the_bf16_speedup_is_measured_and_positive():
+    assert hardware.measure_bf16_speedup(64, 32, 64, seconds=0.01) > 0

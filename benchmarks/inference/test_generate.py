@@ -7,13 +7,14 @@ weight is (3·d, d) in q, k, v order, HF's ``Conv1D`` stores (d, 3·d), so weigh
 transposed. The suite first checks both give the same logits and the same greedy tokens,
 then times the same decode: 32-token prompts (1 and 8 of them) and 64 new tokens, for
 llmkit fp32, llmkit int8 (``quantize_model(model, "int8")``: on CPU fbgemm's w8a8-dynamic
-linear, the tied head included) and transformers fp32.
+linear, the tied head included), llmkit bf16 (``quantize_model(model, "bf16")``: bf16
+weights, only where the CPU has AVX512-BF16 or AMX) and transformers fp32.
 
 Quick mode: a tiny model (per-token overhead dominates). ``LLMKIT_BENCH=full``: GPT-2 small
 (124M parameters). Each batch size is one pytest-benchmark group, so the comparison table
 shows the ratios; ``test_llmkit_decodes_faster`` (fp32, batch 1) and
-``test_int8_decodes_twice_as_fast`` (int8, batch 1 and 8; ≥ 2× at GPT-2 small) also check
-them on the best of interleaved runs.
+``test_low_precision_decodes_twice_as_fast`` (int8 everywhere, bf16 where the CPU has fast
+bf16; batch 1 and 8; ≥ 2× at GPT-2 small) also check them on the best of interleaved runs.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.conftest import FULL
+from llmkit.hardware import cpu_has_fast_bf16
 from llmkit.inference import Sampling, generate_batch, prepare_for_decoding
 from llmkit.inference.quantize import quantize_model
 from llmkit.model import Transformer, build_model
@@ -44,9 +46,12 @@ THREADS = int(os.environ.get("LLMKIT_BENCH_THREADS", "0")) or (
 )
 #: Interleaved rounds of the ratio tests (``LLMKIT_BENCH_ROUNDS``).
 ROUNDS = int(os.environ.get("LLMKIT_BENCH_ROUNDS", "0")) or (2 if FULL else 5)
-#: int8 decode ÷ transformers fp32 that test_int8_decodes_twice_as_fast requires: the
-#: issue's 2× at GPT-2 small; at the quick size (overhead-bound) only faster.
-INT8_SPEEDUP = 2.0 if FULL else 1.0
+#: int8 or bf16 decode ÷ transformers fp32 that test_low_precision_decodes_twice_as_fast
+#: requires: the issue's 2× at GPT-2 small; at the quick size (overhead-bound) only faster.
+LOW_PRECISION_SPEEDUP = 2.0 if FULL else 1.0
+#: bf16 weights are timed only where the CPU multiplies bf16 natively (elsewhere emulated).
+FAST_BF16 = cpu_has_fast_bf16()
+LOW_PRECISION = ["llmkit-int8"] + (["llmkit-bf16"] if FAST_BF16 else [])
 
 
 @pytest.fixture(scope="module")
@@ -56,10 +61,11 @@ def models():
     torch.manual_seed(0)
     ours = build_model(load_spec_dict(gpt2_spec(*SHAPE))).eval()
     hf = to_hf_gpt2(ours)
-    int8 = quantize_model(ours, "int8")  # what `llmkit generate --quantize int8` decodes
-    prepare_for_decoding(ours)  # what `llmkit generate` does to the models it loads
-    prepare_for_decoding(int8)
-    yield {"llmkit": ours, "llmkit-int8": int8, "transformers": hf}
+    # What `llmkit generate --quantize int8 | bf16` decodes.
+    low = {f"llmkit-{m}": quantize_model(ours, m) for m in ("int8", "bf16")}
+    for model in (ours, *low.values()):
+        prepare_for_decoding(model)  # what `llmkit generate` does to the models it loads
+    yield {"llmkit": ours, **low, "transformers": hf}
     torch.set_num_threads(threads)
 
 
@@ -98,17 +104,18 @@ def test_same_logits_and_greedy_tokens(models):
     assert run_llmkit(ours, prompt) == run_hf(hf, prompt)
 
 
-def test_int8_logits_are_close(models):
+@pytest.mark.parametrize("impl", ["llmkit-int8", "llmkit-bf16"])
+def test_low_precision_logits_are_close(models, impl):
     """Random weights are the hard case (no margin between logits): measured at GPT-2
     small, the w8a8 error's standard deviation is 6 % of the logits' (cosine 0.998)."""
     prompt = prompts(2)
     with torch.no_grad():
-        a, b = models["llmkit"](prompt).logits, models["llmkit-int8"](prompt).logits
+        a, b = models["llmkit"](prompt).logits, models[impl](prompt).logits
     assert float(F.cosine_similarity(a.flatten(), b.flatten(), dim=0)) > 0.99
 
 
 @pytest.mark.parametrize("batch", BATCHES)
-@pytest.mark.parametrize("impl", ["llmkit", "llmkit-int8", "transformers"])
+@pytest.mark.parametrize("impl", ["llmkit", *LOW_PRECISION, "transformers"])
 def test_greedy_decode(benchmark, models, impl, batch):
     benchmark.group = f"greedy-decode-{batch}x{PROMPT}+{NEW}"
     prompt = prompts(batch)
@@ -153,16 +160,18 @@ def test_llmkit_decodes_faster(models):
 
 
 @pytest.mark.parametrize("batch", BATCHES)
-def test_int8_decodes_twice_as_fast(models, batch):
-    """Interleaved runs, best of each: int8 decode (fbgemm w8a8-dynamic on CPU) against
-    transformers fp32; ≥ 2× at GPT-2 small (see docs/generation.md for the figures)."""
-    times = interleaved(models, ("llmkit-int8", "llmkit", "transformers"), batch)
-    best = {impl: min(t) for impl, t in times.items()}
-    hf, int8, fp32 = best["transformers"], best["llmkit-int8"], best["llmkit"]
-    rounds = [h / q for h, q in zip(times["transformers"], times["llmkit-int8"])]
+@pytest.mark.parametrize("impl", LOW_PRECISION)
+def test_low_precision_decodes_twice_as_fast(models, impl, batch):
+    """Interleaved runs, best of each: int8 decode (fbgemm w8a8-dynamic on CPU) and, where
+    the CPU has fast bf16, bf16-weight decode against transformers fp32; ≥ 2× at GPT-2 small
+    (see docs/benchmarks.md for the figures)."""
+    times = interleaved(models, (impl, "llmkit", "transformers"), batch)
+    best = {name: min(t) for name, t in times.items()}
+    hf, low, fp32 = best["transformers"], best[impl], best["llmkit"]
+    rounds = [h / q for h, q in zip(times["transformers"], times[impl])]
     print(
-        f"\nbatch {batch}, best of {ROUNDS}: llmkit int8 {int8:.3f}s, fp32 {fp32:.3f}s, "
-        f"transformers {hf:.3f}s: int8 ×{hf / int8:.2f}, fp32 ×{hf / fp32:.2f} transformers; "
-        f"int8 per round: median ×{statistics.median(rounds):.2f}, worst ×{min(rounds):.2f}"
+        f"\nbatch {batch}, best of {ROUNDS}: {impl} {low:.3f}s, llmkit fp32 {fp32:.3f}s, "
+        f"transformers {hf:.3f}s: {impl} ×{hf / low:.2f}, fp32 ×{hf / fp32:.2f} transformers; "
+        f"{impl} per round: median ×{statistics.median(rounds):.2f}, worst ×{min(rounds):.2f}"
     )
-    assert hf / int8 >= INT8_SPEEDUP, best
+    assert hf / low >= LOW_PRECISION_SPEEDUP, best

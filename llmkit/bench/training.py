@@ -17,7 +17,7 @@ from llmkit import hardware
 from llmkit.model import Transformer, build_model
 from llmkit.spec import ResolvedSpec
 from llmkit.training.objective import Objective
-from llmkit.training.step import TrainStep
+from llmkit.training.step import TrainStep, resolve_precision
 from llmkit.training.strategy import ParallelStrategy
 
 
@@ -38,7 +38,7 @@ def build_training_step(
     ``precision`` may be ``auto`` (resolved as the trainer does); the step returns the loss
     (reading it waits for the device)."""
     dev = torch.device(device)
-    precision = hardware.choose_precision(precision, dev)
+    precision = resolve_precision(precision, dev, rs, batch_size * seq_len)
     if dev.type == "cpu" and rs.spec.train.reuse_freed_memory:
         hardware.reuse_freed_memory()  # as the trainer does
     torch.manual_seed(0)
@@ -73,7 +73,7 @@ def time_training_step(
     """Median time of ``repeats`` training steps after two warm-up steps; MFU against the
     measured matmul peak on CPU and the data-sheet peak of known GPUs."""
     dev = torch.device(device)
-    precision = hardware.choose_precision(precision, dev)
+    precision = resolve_precision(precision, dev, rs, batch_size * seq_len)
     step, model = build_training_step(rs, batch_size, seq_len, precision, device)
     for _ in range(2):
         step()

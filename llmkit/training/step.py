@@ -21,11 +21,24 @@ from torch import Tensor, nn
 
 from llmkit import hardware
 from llmkit.optim import set_lr_factor
+from llmkit.spec import ResolvedSpec
 from llmkit.training.objective import Objective
 from llmkit.training.strategy import ParallelStrategy
 
 #: The target id that trains nothing (``ignore_index`` of the cross-entropy).
 IGNORE = -100
+
+
+def resolve_precision(requested: str, device: torch.device, rs: ResolvedSpec, tokens: int) -> str:
+    """``train.precision`` for a step of ``tokens`` tokens a micro-batch: ``auto`` goes by
+    the hardware and, on a CPU with fast bf16, by the model's feed-forward product (``tokens``
+    × d_model × 4·d_model; :func:`llmkit.hardware.choose_precision`), the measurement kept
+    beside the CPU's peaks."""
+    from llmkit.data.store import PEAKS_FILE, store_root
+
+    d = rs.model.d_model
+    cache = store_root() / PEAKS_FILE
+    return hardware.choose_precision(requested, device, (tokens, d, 4 * d), cache)
 
 
 @dataclass

@@ -39,7 +39,7 @@ from llmkit.training.distill import Distillation, load_teacher, teacher_tokenize
 from llmkit.training.metrics import RunLog
 from llmkit.training.objective import Objective
 from llmkit.training.progress import ProgressDisplay, StopSignals
-from llmkit.training.step import StepResult, TrainStep
+from llmkit.training.step import StepResult, TrainStep, resolve_precision
 from llmkit.training.strategy import ParallelStrategy
 
 
@@ -119,7 +119,8 @@ class Trainer:
             resume.clear_setup(self.run_dir)  # an earlier run's, left before its step 1
         torch.manual_seed(t.seed)
         self.device = strategy.device
-        self.precision = hardware.choose_precision(t.precision, self.device)
+        tokens = t.batch_size * (self.rs.spec.data.block_size or self.rs.model.max_seq_len)
+        self.precision = resolve_precision(t.precision, self.device, self.rs, tokens)
         strategy.check_precision(self.precision)
         if self.device.type == "cpu" and t.reuse_freed_memory:
             hardware.reuse_freed_memory()

@@ -19,11 +19,15 @@ def test_autocast_refuses_an_unresolved_precision():
     assert isinstance(hardware.autocast(torch.device("cpu"), "fp32"), contextlib.nullcontext)
 
 
-@pytest.mark.parametrize(("fast_bf16", "expected"), [(False, "fp32"), (True, "bf16")])
-def test_training_step_resolves_auto_like_the_trainer(monkeypatch, fast_bf16, expected):
+@pytest.mark.parametrize(
+    ("fast_bf16", "speedup", "expected"),
+    [(False, 3.0, "fp32"), (True, 3.0, "bf16"), (True, 1.0, "fp32")],
+)
+def test_training_step_resolves_auto_like_the_trainer(monkeypatch, fast_bf16, speedup, expected):
     seen = []
     real = hardware.autocast
     monkeypatch.setattr(hardware, "cpu_has_fast_bf16", lambda: fast_bf16)
+    monkeypatch.setattr(hardware, "bf16_speedup", lambda shape, cache=None: speedup)
     monkeypatch.setattr(hardware, "autocast", lambda d, p: seen.append(p) or real(d, p))
     step, _ = bench.build_training_step(load_spec_dict(tiny_spec()), 2, 8, "auto")
     loss = step()

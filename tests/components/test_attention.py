@@ -448,3 +448,37 @@ def test_options_schema(name):
         opts(unknown=1)
     with pytest.raises(ValidationError):
         opts(dropout=1.0)
+
+
+def _sdpa_dtypes(monkeypatch) -> list[torch.dtype]:
+    """The dtype of every sdpa_attention call the SDPA component makes from now on."""
+    from llmkit.components.attention import sdpa as sdpa_module
+
+    seen: list[torch.dtype] = []
+
+    def spy(q, *args, **kwargs):
+        seen.append(q.dtype)
+        return sdpa_attention(q, *args, **kwargs)
+
+    monkeypatch.setattr(sdpa_module, "sdpa_attention", spy)
+    return seen
+
+
+@pytest.mark.parametrize(("t", "d", "widened"), [(16, 64, True), (256, 32, True), (256, 64, False)])
+def test_sdpa_widens_short_or_narrow_bf16_calls_on_a_cpu(monkeypatch, t, d, widened):
+    seen = _sdpa_dtypes(monkeypatch)
+    ctx = BuildContext(
+        d_model=2 * d, n_heads=2, n_kv_heads=2, head_dim=d, max_seq_len=t, n_layers=1
+    )
+    kernel = SDPAttention(SDPAttention.Options(), ctx).train()
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, t, d, generator=gen).bfloat16().requires_grad_() for _ in "qkv")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = kernel(q, k, v)
+    out.float().sum().backward()
+    assert out.dtype == torch.bfloat16 and q.grad.dtype == torch.bfloat16
+    assert seen == [torch.float32 if widened else torch.bfloat16]
+    want = sdpa_attention(q.detach().float(), k.detach().float(), v.detach().float())
+    torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=2e-2)
+    if widened:  # fp32 inside: only the final rounding differs
+        torch.testing.assert_close(out, want.bfloat16(), atol=0, rtol=0)
