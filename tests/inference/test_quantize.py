@@ -163,15 +163,20 @@ def test_decode_read_bytes_leaves_out_lookups_only():
     assert weight_bytes(q) == int8 + rest + 4 * wpe.numel()  # the int8 table is shared
 
 
-def test_auto_picks_bf16_only_where_it_is_fast(monkeypatch):
+def test_auto_picks_the_fastest_decode_on_a_cpu(monkeypatch):
+    from llmkit.inference import quantize as quantize_module
+
     model = _model()
-    monkeypatch.setattr(hardware, "cpu_has_fast_bf16", lambda: False)
-    assert choose_method("cpu") == "int8"
-    assert quantize_model(model, "auto").quantization.method == "int8"
-    monkeypatch.setattr(hardware, "cpu_has_fast_bf16", lambda: True)
-    assert choose_method("cpu") == "bf16"
+    for fast_bf16 in (False, True):  # fbgemm's int8 decodes faster than bf16 weights
+        monkeypatch.setattr(hardware, "cpu_has_fast_bf16", lambda fast=fast_bf16: fast)
+        assert choose_method("cpu") == "int8"
+        assert quantize_model(model, "auto").quantization.method == "int8"
+    monkeypatch.setattr(quantize_module, "dynamic_available", lambda: False)
+    assert choose_method("cpu") == "bf16"  # without fbgemm, bf16 where it is native
     q = quantize_model(model, "auto")
     assert q.quantization.method == "bf16" and isinstance(q.lm_head, BF16Linear)
+    monkeypatch.setattr(hardware, "cpu_has_fast_bf16", lambda: False)
+    assert choose_method("cpu") == "int8"
 
 
 @pytest.mark.parametrize("backend", [*BACKENDS, "bf16"])
