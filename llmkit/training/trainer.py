@@ -121,6 +121,8 @@ class Trainer:
         self.device = strategy.device
         tokens = t.batch_size * (self.rs.spec.data.block_size or self.rs.model.max_seq_len)
         self.precision = resolve_precision(t.precision, self.device, self.rs, tokens)
+        if t.precision == "auto":  # may be measured on a CPU: every rank takes rank 0's
+            self.precision = strategy.broadcast(self.precision)
         strategy.check_precision(self.precision)
         if self.device.type == "cpu" and t.reuse_freed_memory:
             hardware.reuse_freed_memory()
