@@ -101,3 +101,33 @@ def test_models_use_it_for_residual_and_embedding_dropout():
     model = build_model(load_spec(SPECS / "baby-gpt.toml", ["model.n_layers=1"]))
     drops = [m for m in model.modules() if isinstance(m, nn.Dropout)]
     assert drops and all(isinstance(m, Dropout) and m.p == 0.2 for m in drops)
+
+
+def test_rates_out_of_range_are_refused_and_a_rate_rounding_to_one_zeroes():
+    x = torch.randn(16)
+    for p in (-0.1, 1.5):
+        with pytest.raises(ValueError, match="between 0 and 1"):
+            dropout(x, p)
+    assert drop_rate(0.999995) == 1.0
+    assert torch.count_nonzero(dropout(x, 0.999995)) == 0
+
+
+def test_torch_compile_traces_torchs_dropout(monkeypatch):
+    calls = []
+    real = nn.functional.dropout
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    monkeypatch.setattr(nn.functional, "dropout", lambda *a, **k: calls.append(1) or real(*a, **k))
+    dropout(torch.randn(8), 0.5)
+    assert calls == [1]
+
+
+def test_only_the_mask_is_kept_for_the_backward():
+    x = torch.randn(32, 32, requires_grad=True)
+    kept: list[torch.Tensor] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t) or t, lambda t: t):
+        y = dropout(x, 0.3)
+    scale = 1 / (1 - drop_rate(0.3))
+    assert len(kept) == 1 and kept[0] is not x
+    assert torch.isin(kept[0], torch.tensor([0.0, scale])).all()
+    y.sum().backward()
+    torch.testing.assert_close(x.grad, kept[0])

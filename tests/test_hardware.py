@@ -78,6 +78,8 @@ print(libc.mallinfo2().fordblks)
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
 def test_freed_activations_stay_in_mallocs_heap_for_the_next_step():
+    if not hardware.reuse_freed_memory():
+        pytest.skip("no glibc mallopt (musl?)")
     run = subprocess.run([sys.executable, "-c", _KEPT], capture_output=True, text=True)
     if "mallinfo2" in run.stderr:
         pytest.skip("glibc older than 2.33 (no mallinfo2)")
@@ -127,7 +129,3 @@ def test_auto_takes_bf16_on_a_cpu_only_where_the_models_products_gain(
     assert hardware.choose_precision("fp32", cpu, (768, 128, 512), cache) == "fp32"
     monkeypatch.setattr(hardware, "cpu_has_fast_bf16", lambda: False)
     assert hardware.choose_precision("auto", cpu, (4096, 384, 1536), cache) == "fp32"
-
-
-def test_the_bf16_speedup_is_measured_and_positive():
-    assert hardware.measure_bf16_speedup(64, 32, 64, seconds=0.01) > 0

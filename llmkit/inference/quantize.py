@@ -214,10 +214,11 @@ def dynamic_available() -> bool:
         return False
 
 
-def choose_method(device: torch.device | str = "cpu") -> str:
-    """``auto``: on a CPU, int8 where fbgemm's dynamic linear works (the fastest decode
-    measured on every CPU here, AVX512-BF16 ones included), else bf16 where the CPU
-    multiplies it natively, else int8; on a CUDA GPU, bf16 where it has it, else int8.
+def choose_method(device: torch.device | str = "cpu", backend: str = "auto") -> str:
+    """``auto``: on a CPU, int8 where fbgemm's dynamic linear works and ``backend`` allows it
+    (the fastest decode measured on every CPU here, AVX512-BF16 ones included), else bf16
+    where the CPU multiplies it natively, else int8; on a CUDA GPU, bf16 where it has it,
+    else int8.
 
     On a 2-core EPYC with AVX512-BF16 (docs/benchmarks.md), GPT-2 small greedy decode against
     transformers fp32: int8 3.25× at batch 1 and 5.00× at batch 8, bf16 weights 1.14× and
@@ -228,7 +229,8 @@ def choose_method(device: torch.device | str = "cpu") -> str:
     device = torch.device(device)
     if device.type == "cuda":
         return "bf16" if torch.cuda.is_bf16_supported() else "int8"
-    if device.type == "cpu" and not dynamic_available() and cpu_has_fast_bf16():
+    dynamic = backend in ("auto", "dynamic") and dynamic_available()
+    if device.type == "cpu" and not dynamic and cpu_has_fast_bf16():
         return "bf16"
     return "int8"
 
@@ -263,7 +265,7 @@ def quantize_model(
         raise ValueError(f"unknown backend {backend!r}; choose from {', '.join(BACKENDS)}")
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     if method == "auto":
-        method = choose_method(device)
+        method = choose_method(device, backend)
     if method == "bf16":
         backend = "bf16"
     elif backend == "auto":

@@ -10,11 +10,12 @@ Here the keep mask comes from 16 random bits an element (:func:`llmkit.dropout.k
 15 ms for the same shape), so the dropout rate is ``p`` rounded to a multiple of 2⁻¹⁶ (0.2 →
 0.199997; the kept values are scaled by the exact 1 / (1 − rate)). A causal call runs in up to
 four blocks of query rows, each against the keys up to its last query (:func:`row_blocks`),
-skipping most of the masked upper triangle. The forward keeps the probabilities (fp32 or
-fp64) and the mask (bool), as the math path does; the backward is the analytic one: dV =
-(P∘keep)ᵀ·dO/(1−p), dS = P ∘ (dP̃∘keep/(1−p) − δ) with dP̃ = dO·vᵀ and δ = rowsum(dO ∘ O),
-dQ = dS·k/√d, dK = dSᵀ·q/√d (and the bias gets dS, summed over its broadcast dimensions,
-when it needs a gradient).
+skipping most of the masked upper triangle. With the mask m holding 0 or 1/(1−p), the
+forward keeps the probabilities P (fp32 or fp64) and P∘m (in the products' dtype): 8 bytes
+a score in fp32, 6 with bf16 inputs, where SDPA's math path keeps P and a mask of P's dtype.
+The backward is the analytic one: dV = (P∘m)ᵀ·dO, dS = (P∘m)∘dP − P∘δ with dP = dO·vᵀ and
+δ = rowsum(dO ∘ O), dQ = dS·k/√d, dK = dSᵀ·q/√d (and the bias gets dS, summed over its
+broadcast dimensions, when it needs a gradient).
 
 bf16 tensors (autocast on a CPU with AVX512-BF16 or AMX, where ``precision = "auto"`` picks
 bf16) run the five products in bf16, about 5× the fp32 speed there, and the rest in fp32: the
@@ -88,7 +89,7 @@ class DropoutAttention(torch.autograd.Function):
         # Each mask holds 0 or 1/(1−p), so no other factor appears in either direction.
         keeps = keep_masks([(b * h, r1 - r0, keys) for r0, r1, keys in blocks], p, wide, q.device)
         out = q3.new_empty(b * h, tq, v.shape[-1])
-        probs, kept = [], []
+        probs, kept = [], []  # P (wide) and P∘mask (low): all the backward needs of them
         for (r0, r1, keys), keep in zip(blocks, keeps, strict=True):
             bias3 = _per_head(bias[..., r0:r1, :keys], b, h)
             qk = (q3[:, r0:r1], k3[:, :keys].transpose(1, 2))
@@ -100,11 +101,11 @@ class DropoutAttention(torch.autograd.Function):
             pk = torch.mul(prob, keep, out=torch.empty_like(prob, dtype=low))
             out[:, r0:r1] = torch.bmm(pk, v3[:, :keys])
             probs.append(prob)
-            kept.append(pk if low != wide else None)  # recomputed when it costs no rounding
-        ctx.save_for_backward(q3, k3, v3, out, *probs, *keeps)
-        ctx.kept, ctx.scale, ctx.blocks = kept, scale, blocks
+            kept.append(pk)
+        ctx.save_for_backward(q3, k3, v3, out, *probs, *kept)
+        ctx.scale, ctx.blocks = scale, blocks
         ctx.bias_shape = bias.shape if bias.requires_grad else None
-        return out.view(b, h, tq, -1)
+        return out.view(b, h, tq, v.shape[-1])
 
     @staticmethod
     @once_differentiable
@@ -116,21 +117,20 @@ class DropoutAttention(torch.autograd.Function):
     def _backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
         q3, k3, v3, out, *saved = ctx.saved_tensors
         blocks = ctx.blocks
-        probs, keeps = saved[: len(blocks)], saved[len(blocks) :]
+        probs, kept = saved[: len(blocks)], saved[len(blocks) :]
         low, wide = q3.dtype, _wide(q3.dtype)
         b, h, tq, d = grad.shape
         g3 = grad.reshape(b * h, tq, d)
-        # dS = P ∘ (dP∘keep − δ) with dP = dO·vᵀ and δ = rowsum(dO ∘ O).
+        # dS = P ∘ (dP∘mask − δ) = (P∘mask) ∘ dP − P ∘ δ, dP = dO·vᵀ, δ = rowsum(dO ∘ O).
         delta = torch.linalg.vecdot(g3.to(wide), out.to(wide))[..., None]
         dq = torch.empty_like(q3)
         dk, dv = torch.zeros_like(k3, dtype=wide), torch.zeros_like(v3, dtype=wide)
         dbias = None if ctx.bias_shape is None else q3.new_zeros(ctx.bias_shape, dtype=wide)
-        for (r0, r1, keys), prob, keep, pk in zip(blocks, probs, keeps, ctx.kept, strict=True):
+        for (r0, r1, keys), prob, pk in zip(blocks, probs, kept, strict=True):
             g = g3[:, r0:r1]
-            pk = prob * keep if pk is None else pk
             dv[:, :keys] += torch.bmm(pk.transpose(1, 2), g)
-            ds = torch.mul(torch.bmm(g, v3[:, :keys].transpose(1, 2)), keep)
-            ds.sub_(delta[:, r0:r1]).mul_(prob)
+            ds = torch.bmm(g, v3[:, :keys].transpose(1, 2)).to(wide).mul_(pk)
+            ds.addcmul_(prob, delta[:, r0:r1], value=-1.0)
             ds_low = torch.mul(ds, ctx.scale, out=torch.empty_like(ds, dtype=low))
             dq[:, r0:r1] = torch.bmm(ds_low, k3[:, :keys])
             dk[:, :keys] += torch.bmm(ds_low.transpose(1, 2), q3[:, r0:r1])
@@ -139,8 +139,8 @@ class DropoutAttention(torch.autograd.Function):
                 dbias[..., r0:r1, :keys] += ds.view(b, h, r1 - r0, keys).sum_to_size(shape)
         return (
             dq.view(b, h, tq, d),
-            dk.to(low).view(b, h, -1, d),
-            dv.to(low).view(b, h, -1, v3.shape[-1]),
+            dk.to(low).view(b, h, k3.shape[1], d),
+            dv.to(low).view(b, h, v3.shape[1], v3.shape[2]),
             dbias,
             None,
             None,

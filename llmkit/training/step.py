@@ -29,13 +29,17 @@ from llmkit.training.strategy import ParallelStrategy
 IGNORE = -100
 
 
-def resolve_precision(requested: str, device: torch.device, rs: ResolvedSpec, tokens: int) -> str:
+def resolve_precision(
+    requested: str, device: torch.device, rs: ResolvedSpec, tokens: int | None
+) -> str:
     """``train.precision`` for a step of ``tokens`` tokens a micro-batch: ``auto`` goes by
     the hardware and, on a CPU with fast bf16, by the model's feed-forward product (``tokens``
     × d_model × 4·d_model; :func:`llmkit.hardware.choose_precision`), the measurement kept
-    beside the CPU's peaks."""
+    beside the CPU's peaks. ``tokens=None`` decides by the hardware alone (no measurement)."""
     from llmkit.data.store import PEAKS_FILE, store_root
 
+    if tokens is None:
+        return hardware.choose_precision(requested, device)
     d = rs.model.d_model
     cache = store_root() / PEAKS_FILE
     return hardware.choose_precision(requested, device, (tokens, d, 4 * d), cache)

@@ -120,8 +120,10 @@ class Trainer:
         torch.manual_seed(t.seed)
         self.device = strategy.device
         tokens = t.batch_size * (self.rs.spec.data.block_size or self.rs.model.max_seq_len)
-        self.precision = resolve_precision(t.precision, self.device, self.rs, tokens)
-        if t.precision == "auto":  # may be measured on a CPU: every rank takes rank 0's
+        # ``auto`` may be measured on a CPU: by rank 0 alone, every rank taking its answer.
+        measured = tokens if strategy.is_main else None
+        self.precision = resolve_precision(t.precision, self.device, self.rs, measured)
+        if t.precision == "auto":
             self.precision = strategy.broadcast(self.precision)
         strategy.check_precision(self.precision)
         if self.device.type == "cpu" and t.reuse_freed_memory:

@@ -464,15 +464,23 @@ def _sdpa_dtypes(monkeypatch) -> list[torch.dtype]:
     return seen
 
 
-@pytest.mark.parametrize(("t", "d", "widened"), [(16, 64, True), (256, 32, True), (256, 64, False)])
-def test_sdpa_widens_short_or_narrow_bf16_calls_on_a_cpu(monkeypatch, t, d, widened):
+@pytest.mark.parametrize(
+    ("tq", "tk", "d", "widened"),
+    [(16, 16, 64, True), (256, 256, 32, True), (256, 256, 64, False), (1, 256, 64, False)],
+    ids=["short", "narrow", "kept", "decoding-a-long-cache"],
+)
+def test_sdpa_widens_short_or_narrow_bf16_calls_on_a_cpu(monkeypatch, tq, tk, d, widened):
     seen = _sdpa_dtypes(monkeypatch)
     ctx = BuildContext(
-        d_model=2 * d, n_heads=2, n_kv_heads=2, head_dim=d, max_seq_len=t, n_layers=1
+        d_model=2 * d, n_heads=2, n_kv_heads=2, head_dim=d, max_seq_len=tk, n_layers=1
     )
     kernel = SDPAttention(SDPAttention.Options(), ctx).train()
     gen = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(1, 2, t, d, generator=gen).bfloat16().requires_grad_() for _ in "qkv")
+
+    def leaf(t):
+        return torch.randn(1, 2, t, d, generator=gen).bfloat16().requires_grad_()
+
+    q, k, v = leaf(tq), leaf(tk), leaf(tk)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = kernel(q, k, v)
     out.float().sum().backward()

@@ -167,10 +167,12 @@ def test_auto_picks_the_fastest_decode_on_a_cpu(monkeypatch):
     from llmkit.inference import quantize as quantize_module
 
     model = _model()
+    monkeypatch.setattr(quantize_module, "dynamic_available", lambda: True)
     for fast_bf16 in (False, True):  # fbgemm's int8 decodes faster than bf16 weights
         monkeypatch.setattr(hardware, "cpu_has_fast_bf16", lambda fast=fast_bf16: fast)
         assert choose_method("cpu") == "int8"
         assert quantize_model(model, "auto").quantization.method == "int8"
+    assert choose_method("cpu", "weight_only") == "bf16"  # int8 here would not be fbgemm's
     monkeypatch.setattr(quantize_module, "dynamic_available", lambda: False)
     assert choose_method("cpu") == "bf16"  # without fbgemm, bf16 where it is native
     q = quantize_model(model, "auto")

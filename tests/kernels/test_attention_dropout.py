@@ -181,3 +181,35 @@ def test_bf16_products_stay_within_bf16_rounding_of_float64(case, monkeypatch):
         assert torch.isfinite(g).all()
         err = (g.double() - w).abs().max() / w.abs().max()
         assert err < 2e-2, err
+
+
+def test_what_the_backward_needs_goes_through_saved_tensor_hooks(monkeypatch):
+    """Activation checkpointing and offloading see every saved tensor: q, k, v, the output,
+    and P and P∘mask of each row block (nothing kept on the side)."""
+    monkeypatch.setattr(attention_dropout, "BLOCK_ROWS", 4)
+    q, k, v = (torch.randn(1, 2, 16, 8, requires_grad=True) for _ in range(3))
+    packed: list[torch.Tensor] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or t, lambda t: t):
+        out = dropout_attention(q, k, v, dropout_p=0.2)
+    blocks = len(row_blocks(16, 16, causal=True))
+    assert blocks == 4 and len(packed) == 4 + 2 * blocks
+    out.sum().backward()
+    assert all(torch.isfinite(x.grad).all() for x in (q, k, v))
+
+
+@pytest.mark.parametrize("shape", [(0, 2, 4, 8), (1, 2, 0, 8)])
+def test_empty_inputs_give_empty_outputs(shape):
+    q = torch.randn(*shape, requires_grad=True)
+    k = v = torch.randn(shape[0], 2, 4 if shape[2] == 0 else shape[2], 8, requires_grad=True)
+    out = dropout_attention(q, k, v, dropout_p=0.2, causal=shape[2] != 0)
+    assert out.shape == shape
+    out.sum().backward()
+    assert q.grad.shape == q.shape
+
+
+def test_a_rate_rounding_to_one_drops_everything():
+    q, k, v = (torch.randn(1, 2, 8, 4, requires_grad=True) for _ in range(3))
+    out = dropout_attention(q, k, v, dropout_p=0.999995)
+    assert torch.count_nonzero(out) == 0
+    out.sum().backward()
+    assert all(torch.isfinite(x.grad).all() for x in (q, k, v))

@@ -10,9 +10,10 @@ import math
 import pytest
 import torch
 
+from llmkit import hardware
 from llmkit.model import build_model
 from llmkit.spec import load_spec_dict
-from llmkit.training.step import TrainStep
+from llmkit.training.step import TrainStep, resolve_precision
 from tests.helpers import tiny_spec
 
 
@@ -110,3 +111,19 @@ def test_a_non_finite_loss_is_reported_under_the_fp16_grad_scaler(model):
     objective.poison = False
     result = step(lambda: (x, y))
     assert result.applied and math.isfinite(result.loss)
+
+
+def test_resolving_precision_measures_only_when_given_the_tokens(monkeypatch, tmp_path):
+    """Rank 0 measures the bf16 decision; the other ranks resolve without measuring (and
+    take rank 0's answer)."""
+    monkeypatch.setenv("LLMKIT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(hardware, "cpu_has_fast_bf16", lambda: True)
+    shapes: list[tuple[int, int, int]] = []
+    monkeypatch.setattr(
+        hardware, "bf16_speedup", lambda shape, cache=None: shapes.append(shape) or 1.0
+    )
+    rs = load_spec_dict(tiny_spec())
+    cpu = torch.device("cpu")
+    assert resolve_precision("auto", cpu, rs, None) == "bf16" and shapes == []
+    d = rs.model.d_model
+    assert resolve_precision("auto", cpu, rs, 512) == "fp32" and shapes == [(512, d, 4 * d)]

@@ -6,8 +6,8 @@ PyTorch dispatches to FlashAttention (Dao et al. 2022), memory-efficient attenti
 ``is_causal`` fast path (flash-eligible); anything else passes an explicit
 bottom-right-aligned mask. In training with ``dropout > 0`` on a CPU, where SDPA
 would leave its fused kernel for the math path, :mod:`llmkit.kernels.attention_dropout` runs
-instead (same contract, a cheaper dropout mask). bf16 calls on a CPU with short sequences
-or narrow heads run widened to fp32 (:func:`widen_on_cpu`), where torch's fused CPU kernel is
+instead (same contract, a cheaper dropout mask). bf16 calls on a CPU with few keys or
+narrow heads run widened to fp32 (:func:`widen_on_cpu`), where torch's fused CPU kernel is
 faster in fp32 than in bf16.
 """
 
@@ -21,23 +21,23 @@ from llmkit.contracts import AttentionKernel, BuildContext, ComponentOptions, Di
 from llmkit.kernels import attention_dropout
 from llmkit.ops import sdpa_attention
 
-#: bf16 calls on a CPU are widened to fp32 up to this many queries, or at any length for
+#: bf16 calls on a CPU are widened to fp32 up to this many keys, or at any length for
 #: heads up to WIDEN_HEAD_DIM wide (:func:`widen_on_cpu`).
-WIDEN_QUERIES = 128
+WIDEN_KEYS = 128
 WIDEN_HEAD_DIM = 32
 
 
-def widen_on_cpu(q: Tensor) -> bool:
-    """Whether a bf16 call runs faster widened to fp32: on a CPU, with few queries or narrow
-    heads. torch's fused CPU attention is no faster in bf16 than in fp32 and its bf16 backward
-    is far slower on short blocks; measured fwd+bwd on a 2-core EPYC with AVX512-BF16
-    (docs/benchmarks.md): (B, H, L, D) = (12, 4, 64, 32) fp32 1.9 ms, bf16 7.2 ms, widened
-    2.5 ms; (8, 6, 256, 32) bf16 26 ms, widened 18 ms; (16, 6, 256, 64) bf16 54 ms, widened
-    67 ms (kept in bf16)."""
+def widen_on_cpu(q: Tensor, k: Tensor) -> bool:
+    """Whether a bf16 call runs faster widened to fp32: on a CPU, with few keys (a short
+    sequence, never a long cache) or narrow heads. torch's fused CPU attention is no faster
+    in bf16 than in fp32 and its bf16 backward is far slower on short blocks. Measured
+    fwd+bwd on a 2-core EPYC with AVX512-BF16 (docs/benchmarks.md), (B, H, L, D):
+    (12, 4, 64, 32) fp32 1.9 ms, bf16 7.2 ms, widened 2.5 ms; (8, 6, 256, 32) bf16 26 ms,
+    widened 18 ms; (16, 6, 256, 64) bf16 54 ms, widened 67 ms (kept in bf16)."""
     return (
         q.device.type == "cpu"
         and q.dtype == torch.bfloat16
-        and (q.shape[2] <= WIDEN_QUERIES or q.shape[3] <= WIDEN_HEAD_DIM)
+        and (k.shape[2] <= WIDEN_KEYS or q.shape[3] <= WIDEN_HEAD_DIM)
     )
 
 
@@ -74,7 +74,7 @@ class SDPAttention(AttentionKernel):
         kw = {"causal": causal, "bias": bias, "key_padding_mask": key_padding_mask}
         if attention_dropout.applies(q, dropout_p):
             return attention_dropout.dropout_attention(q, k, v, dropout_p=dropout_p, **kw)
-        if widen_on_cpu(q):
+        if widen_on_cpu(q, k):
             with torch.autocast("cpu", enabled=False):
                 wide = sdpa_attention(q.float(), k.float(), v.float(), dropout_p=dropout_p, **kw)
             return wide.to(q.dtype)
