@@ -60,8 +60,8 @@ def configure_generate(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--quantize",
         choices=["int8", "bf16", "auto"],
-        help="int8 (CPU: fbgemm w8a8-dynamic), bf16, or auto (bf16 where the hardware "
-        "multiplies it fast, else int8)",
+        help="int8 (CPU: fbgemm w8a8-dynamic), bf16, or auto (int8 on a CPU with fbgemm, "
+        "bf16 on a GPU that has it)",
     )
     p.add_argument("--device", default="cpu", help="cpu (default), cuda, mps or auto")
     p.add_argument("--threads", type=at_least(1), default=None, help="torch CPU threads")

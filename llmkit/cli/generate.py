@@ -73,7 +73,7 @@ def configure_generate(p: argparse.ArgumentParser) -> None:
         "--quantize",
         choices=["int8", "bf16", "auto"],
         help="int8 weights (smaller; CPU: faster, fbgemm w8a8-dynamic), bf16, or auto "
-        "(bf16 where the hardware multiplies it fast, else int8)",
+        "(int8 on a CPU with fbgemm, bf16 on a GPU that has it)",
     )
     p.add_argument("--device", default="cpu", help="cpu (default), cuda, mps or auto")
     p.add_argument("--json", action="store_true", help="print text, ids and finish reasons")
