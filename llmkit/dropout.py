@@ -26,10 +26,15 @@ from torch import Tensor, nn
 BITS = 16
 
 
+def _dropped_lanes(p: float) -> int:
+    """How many of the 2¹⁶ values of a lane drop its element: p · 2¹⁶, rounded."""
+    return round(p * 2**BITS)
+
+
 def drop_rate(p: float) -> float:
     """The dropout rate :func:`keep_mask` realises for ``p``: ``p`` rounded to a multiple of
     2⁻¹⁶."""
-    return round(p * 2**BITS) / 2**BITS
+    return _dropped_lanes(p) / 2**BITS
 
 
 def keep_mask(
@@ -44,7 +49,7 @@ def keep_mask(
     words = -(-n // 4)
     bits = torch.empty(words, dtype=torch.int64, device=device).random_(-(2**63), 2**63 - 1)
     lanes = bits.view(torch.int16)[:n].view(shape)
-    threshold = -(2 ** (BITS - 1)) + round(p * 2**BITS)
+    threshold = -(2 ** (BITS - 1)) + _dropped_lanes(p)
     return torch.ge(lanes, threshold, out=torch.empty(shape, dtype=dtype, device=device))
 
 

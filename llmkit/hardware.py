@@ -137,17 +137,25 @@ def measure_bf16_speedup(rows: int, inner: int, outer: int, seconds: float = 0.1
     the two timed in turn."""
     gen = torch.Generator().manual_seed(0)  # leaves the global RNG (dropout, data) alone
     a, b = torch.randn(rows, inner, generator=gen), torch.randn(inner, outer, generator=gen)
-    runs = (lambda: a @ b, lambda: (a.bfloat16() @ b.bfloat16()).float())
-    best = [math.inf, math.inf]
+    fp32, bf16 = best_seconds(
+        [lambda: a @ b, lambda: (a.bfloat16() @ b.bfloat16()).float()], seconds
+    )
+    return fp32 / bf16
+
+
+def best_seconds(runs: list[Callable[[], object]], seconds: float) -> list[float]:
+    """The shortest time of each of ``runs`` after one warm-up call each, timed in turn
+    until about ``seconds`` have passed (each at least once)."""
     for run in runs:
-        run()  # warm-up
+        run()
+    best = [math.inf] * len(runs)
     deadline = time.perf_counter() + seconds
     while time.perf_counter() < deadline or math.inf in best:
         for i, run in enumerate(runs):
             t0 = time.perf_counter()
             run()
             best[i] = min(best[i], time.perf_counter() - t0)
-    return best[0] / best[1]
+    return best
 
 
 def autocast(device: torch.device, precision: str) -> Any:
@@ -217,16 +225,8 @@ def measure_matmul_flops(dtype: torch.dtype, n: int = 512, seconds: float = 0.2)
     gen = torch.Generator().manual_seed(0)  # leaves the global RNG (dropout, data) alone
     a = torch.randn(n, n, generator=gen).to(dtype)
     b = torch.randn(n, n, generator=gen).to(dtype)
-    a @ b  # warm-up
-    best = 0.0
-    deadline = time.perf_counter() + seconds
-    while True:
-        t0 = time.perf_counter()
-        a @ b
-        dt = time.perf_counter() - t0
-        best = max(best, 2 * n**3 / dt)
-        if time.perf_counter() > deadline:
-            return best
+    (best,) = best_seconds([lambda: a @ b], seconds)
+    return 2 * n**3 / best
 
 
 def last_level_cache_bytes() -> int | None:

@@ -6,9 +6,9 @@ There, ``F.scaled_dot_product_attention`` with dropout leaves its fused kernel f
 path, whose ``bernoulli_`` mask costs 8× the q·kᵀ product itself (80 ms against 9.5 ms for
 B 16, H 6, L 256 on a 2-core EPYC): most of what attention dropout costs a baby-GPT step.
 
-Here the keep mask comes from 16 random bits an element (:func:`llmkit.dropout.keep_mask`,
-15 ms for the same shape), so the dropout rate is ``p`` rounded to a multiple of 2⁻¹⁶ (0.2 →
-0.199997; the kept values are scaled by the exact 1 / (1 − rate)). A causal call runs in up to
+Here the keep mask comes from 16 random bits an element (:func:`llmkit.dropout.keep_masks`,
+a few ms for the same shape), so the dropout rate is ``p`` rounded to a multiple of 2⁻¹⁶
+(0.2 → 0.199997; the kept values are scaled by 1 / (1 − rate)). A causal call runs in up to
 four blocks of query rows, each against the keys up to its last query (:func:`row_blocks`),
 skipping most of the masked upper triangle. With the mask m holding 0 or 1/(1−p), the
 forward keeps the probabilities P (fp32 or fp64) and P∘m (in the products' dtype): 8 bytes
