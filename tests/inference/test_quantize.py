@@ -20,6 +20,7 @@ from llmkit.inference.quantize import (
     Int8Embedding,
     Int8Linear,
     LowPrecisionEmbedding,
+    bf16_packing_available,
     choose_method,
     decode_read_bytes,
     dynamic_available,
@@ -94,9 +95,47 @@ def test_bf16_linear_multiplies_in_bf16_and_returns_the_input_dtype():
     assert b(x).dtype == torch.float32
 
 
-@pytest.mark.parametrize("backend", [*BACKENDS, "bf16"])
-def test_a_tied_head_is_converted_and_the_embedding_looks_up_its_table(backend):
+needs_packing = pytest.mark.skipif(not bf16_packing_available(), reason="no oneDNN bf16 packing")
+
+
+@needs_packing
+def test_packed_bf16_linear_gives_the_same_products_and_stays_a_plain_module():
+    import copy
+
+    torch.manual_seed(0)
+    lin = nn.Linear(40, 24)
+    plain, b = BF16Linear.from_float(lin), BF16Linear.from_float(lin)
+    assert b.pack() and b.packed and b.weight.is_mkldnn and not plain.packed
+    assert "packed" in repr(b) and torch.equal(b.dense_weight(), plain.weight)
+    for shape in [(1, 40), (8, 40), (2, 5, 40)]:
+        x = torch.randn(shape)
+        with torch.no_grad():
+            got, want = b(x), plain(x)
+        assert got.shape == want.shape and got.dtype == torch.float32
+        torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)  # bf16 products
+    state = b.state_dict()
+    assert not state["weight"].is_mkldnn and torch.equal(state["weight"], plain.weight)
+    twin = copy.deepcopy(b)
+    assert twin.packed and twin.weight is not b.weight and torch.equal(twin.dense_weight(), plain.weight)
+    moved = b.to("cpu")
+    assert moved.packed
+    other = BF16Linear.from_float(nn.Linear(40, 24))
+    other.pack()
+    other.load_state_dict(plain.state_dict())
+    assert other.packed and torch.equal(other.dense_weight(), plain.weight)
+    fp = BF16Linear.from_float(lin)
+    fp.weight = fp.weight.float()  # only bf16 weights are packed
+    assert not fp.pack() and not fp.packed
+
+
+@pytest.mark.parametrize(
+    "backend", [*BACKENDS, "bf16", pytest.param("bf16-packed", marks=needs_packing)]
+)
+def test_a_tied_head_is_converted_and_the_embedding_looks_up_its_table(backend, monkeypatch):
     model = _model()
+    packed = backend == "bf16-packed"
+    monkeypatch.setattr(hardware, "cpu_has_fast_bf16", lambda: packed)  # packs only there
+    backend = "bf16" if packed else backend
     q = _convert(model, backend)
     assert q is not model and type(model.layers[0].attn.qkv) is nn.Linear  # a copy
     assert q.quantization.backend == backend
@@ -108,7 +147,12 @@ def test_a_tied_head_is_converted_and_the_embedding_looks_up_its_table(backend):
     emb = q.tok_emb(idx)
     assert emb.dtype == torch.float32
     if backend == "bf16":
-        assert isinstance(q.tok_emb, LowPrecisionEmbedding) and q.tok_emb.weight is q.lm_head.weight
+        assert isinstance(q.tok_emb, LowPrecisionEmbedding)
+        assert all(m.packed is packed for m in q.modules() if isinstance(m, BF16Linear))
+        if packed:  # the embedding keeps the plain table, the head its packed copy
+            assert torch.equal(q.tok_emb.weight, q.lm_head.dense_weight())
+        else:
+            assert q.tok_emb.weight is q.lm_head.weight
         torch.testing.assert_close(emb, model.tok_emb.weight.bfloat16().float()[idx])
     else:
         assert isinstance(q.tok_emb, Int8Embedding)
@@ -125,7 +169,7 @@ def test_a_tied_head_is_converted_and_the_embedding_looks_up_its_table(backend):
     weights = sum(m.weight.numel() for m in lins if m is not model.lm_head) + table
     channels = sum(m.out_features for m in lins)
     if backend == "bf16":
-        assert fp32 - small == 2 * weights
+        assert fp32 - small == 2 * weights - (2 * table if packed else 0)
     elif backend == "weight_only":  # 4 bytes → 1 per weight, plus one fp32 scale a row
         assert fp32 - small == 3 * weights - 4 * channels
     else:  # fbgemm's per-channel data; the embedding's int8 copy of the table and scales
