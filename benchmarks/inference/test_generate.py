@@ -51,10 +51,21 @@ ROUNDS = int(os.environ.get("LLMKIT_BENCH_ROUNDS", "0")) or (2 if FULL else 5)
 #: weights only faster (measured 1.14× at batch 1, 2.05× at batch 8 on an AVX512-BF16 EPYC:
 #: torch's bf16 matrix–vector product is slow there, docs/benchmarks.md); at the quick size
 #: (overhead-bound) both only faster.
-LOW_PRECISION_SPEEDUP = {"llmkit-int8": 2.0 if FULL else 1.0, "llmkit-bf16": 1.0}
-#: bf16 weights are timed only where the CPU multiplies bf16 natively (elsewhere emulated).
+LOW_PRECISION_SPEEDUP = {
+    "llmkit-int8": 2.0 if FULL else 1.0,
+    "llmkit-bf16": 1.0,
+    "llmkit-int8-weight-only": 1.0,
+}
+#: bf16 weights and int8 weight-only (bf16 products) are timed only where the CPU
+#: multiplies bf16 natively (elsewhere emulated, or fp32 products on dequantized weights).
 FAST_BF16 = cpu_has_fast_bf16()
-LOW_PRECISION = ["llmkit-int8"] + (["llmkit-bf16"] if FAST_BF16 else [])
+LOW_PRECISION = ["llmkit-int8"] + (["llmkit-bf16", "llmkit-int8-weight-only"] if FAST_BF16 else [])
+#: What each low-precision impl is: ``quantize_model`` arguments.
+CONVERSIONS = {
+    "llmkit-int8": {"method": "int8"},
+    "llmkit-bf16": {"method": "bf16"},
+    "llmkit-int8-weight-only": {"method": "int8", "backend": "weight_only"},
+}
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +76,7 @@ def models():
     ours = build_model(load_spec_dict(gpt2_spec(*SHAPE))).eval()
     hf = to_hf_gpt2(ours)
     # What `llmkit generate --quantize int8 | bf16` decodes.
-    low = {f"llmkit-{m}": quantize_model(ours, m) for m in ("int8", "bf16")}
+    low = {impl: quantize_model(ours, **kw) for impl, kw in CONVERSIONS.items()}
     for model in (ours, *low.values()):
         prepare_for_decoding(model)  # what `llmkit generate` does to the models it loads
     yield {"llmkit": ours, **low, "transformers": hf}
@@ -107,7 +118,7 @@ def test_same_logits_and_greedy_tokens(models):
     assert run_llmkit(ours, prompt) == run_hf(hf, prompt)
 
 
-@pytest.mark.parametrize("impl", ["llmkit-int8", "llmkit-bf16"])
+@pytest.mark.parametrize("impl", list(CONVERSIONS))
 def test_low_precision_logits_are_close(models, impl):
     """Random weights are the hard case (no margin between logits): measured at GPT-2
     small, the w8a8 error's standard deviation is 6 % of the logits' (cosine 0.998)."""

@@ -18,13 +18,18 @@ one table). Position embeddings, norms and biases keep their precision;
   ``torch.ao.quantization`` workflow.
 - ``weight_only`` (any device): :class:`Int8Linear` keeps int8 weights and computes
   ``(x @ q.T) · scale`` in the activation's dtype: genuinely weight-only, the same memory
-  saving, but no faster than fp32 (PyTorch has no fast int8-weight fp32-activation kernel
-  on AVX2 CPUs; ``aten._weight_int8pack_mm`` measured slower than fp32 there).
+  saving. On a CPU with native bf16 (AVX512-BF16 or AMX) the product runs in
+  ``aten._weight_int8pack_mm`` with the activation in bf16, which reads the int8 weight as
+  is (1.7× transformers' fp32 decode at batch 1 on a 2-core EPYC, docs/benchmarks.md).
+  Elsewhere it is no faster than fp32: PyTorch has no fast int8-weight fp32-activation
+  kernel on AVX2 CPUs (``_weight_int8pack_mm`` with fp32 activations streams 1 GB/s).
 
 ``auto`` picks ``dynamic`` for a CPU model where fbgemm works, else ``weight_only``.
 
 **bf16.** :class:`BF16Linear` stores bf16 weights (half the bytes) and multiplies in bf16;
-the residual stream, norms and logits stay in the model's dtype. Fast only where the
+the residual stream, norms and logits stay in the model's dtype. On a CPU with native bf16
+the weights are packed in oneDNN's layout (:meth:`BF16Linear.pack`), twice as fast there
+as ``F.linear`` on plain bf16 weights. Fast only where the
 hardware multiplies bf16 natively (CUDA, AVX512-BF16 or AMX CPUs); on an AVX2 CPU bf16
 products are emulated and far slower than fp32. A tied head shares its bf16 table with the
 embedding. ``method="auto"`` (:func:`choose_method`) picks int8 on a CPU with fbgemm (faster
@@ -72,6 +77,7 @@ class Int8Linear(nn.Module):
         self.register_buffer("weight", weight)
         self.register_buffer("scale", scale)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.bf16_products = False
 
     @classmethod
     def from_float(cls, linear: nn.Linear) -> Int8Linear:
@@ -86,8 +92,27 @@ class Int8Linear(nn.Module):
         """The int8 values (out, in) and fp32 scales (out,)."""
         return self.weight, self.scale
 
+    def use_bf16_products(self) -> bool:
+        """On a CPU with native bf16: multiply with ``aten._weight_int8pack_mm`` (the int8
+        weight read as is, the activation and the per-channel scale in bf16, the result
+        back in ``x``'s dtype) where this PyTorch has it and ``in_features`` is a multiple
+        of :data:`INT8_MM_ALIGN` (its CPU kernel returns garbage otherwise). Returns
+        whether it does; :func:`quantize_model` calls it where the CPU has native bf16."""
+        self.bf16_products = (
+            self.weight.device.type == "cpu"
+            and self.in_features % INT8_MM_ALIGN == 0
+            and int8_mm_available()
+        )
+        return self.bf16_products
+
     def forward(self, x: Tensor) -> Tensor:
-        y = F.linear(x, self.weight.to(x.dtype)) * self.scale.to(x.dtype)
+        if self.bf16_products and x.device.type == "cpu":
+            x2 = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()
+            scale = self.scale.to(torch.bfloat16)
+            y = torch.ops.aten._weight_int8pack_mm(x2, self.weight, scale).to(x.dtype)
+            y = y.view(*x.shape[:-1], self.out_features)
+        else:
+            y = F.linear(x, self.weight.to(x.dtype)) * self.scale.to(x.dtype)
         return y if self.bias is None else y + self.bias.to(x.dtype)
 
     def weight_nbytes(self) -> int:
@@ -95,6 +120,26 @@ class Int8Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8"
+
+
+#: ``aten._weight_int8pack_mm`` on a CPU needs the inner dimension a multiple of this.
+INT8_MM_ALIGN = 32
+
+
+@functools.cache
+def int8_mm_available() -> bool:
+    """Whether this PyTorch has ``aten._weight_int8pack_mm`` on the CPU and it gives the
+    dequantized product (checked once on a small one)."""
+    try:
+        g = torch.Generator().manual_seed(0)
+        w = torch.randint(-127, 128, (24, 2 * INT8_MM_ALIGN), generator=g, dtype=torch.int8)
+        scale = torch.rand(24, generator=g).bfloat16()
+        x = torch.randn(3, 2 * INT8_MM_ALIGN, generator=g).bfloat16()
+        got = torch.ops.aten._weight_int8pack_mm(x, w, scale).float()
+        want = F.linear(x.float(), w.float() * scale.float()[:, None])
+        return bool(torch.allclose(got, want, rtol=2e-2, atol=2e-2 * float(want.abs().max())))
+    except (AttributeError, RuntimeError, NotImplementedError):
+        return False
 
 
 class DynamicInt8Linear(nn.Module):
@@ -394,10 +439,12 @@ def quantize_model(
         if child is tied_head:  # the embedding looks up the head's table
             assert tok_emb is not None
             model.tok_emb = _tied_embedding(new, tok_emb.weight.dtype)
-    if backend == "bf16" and device.type == "cpu" and _cpu_has_fast_bf16():
+    if backend in ("bf16", "weight_only") and device.type == "cpu" and _cpu_has_fast_bf16():
         for mod in model.modules():  # after tying: a tied embedding keeps the plain table
             if isinstance(mod, BF16Linear):
                 mod.pack()
+            elif isinstance(mod, Int8Linear):
+                mod.use_bf16_products()
     for p in model.parameters():
         p.requires_grad_(False)
     model.quantization = QuantizeReport(backend, len(targets), params, method)  # type: ignore[assignment]

@@ -24,6 +24,7 @@ from llmkit.inference.quantize import (
     choose_method,
     decode_read_bytes,
     dynamic_available,
+    int8_mm_available,
     quantize_model,
     weight_bytes,
 )
@@ -65,6 +66,28 @@ def test_int8_linear_is_per_channel_symmetric():
     torch.testing.assert_close(q(x), exact, atol=1e-5, rtol=1e-5)
     assert float(q.scale[1:].max()) < float(q.scale[0]) / 20  # small rows keep small steps
     assert q.weight_nbytes() == 16 * 8 + 8 * 4
+
+
+@pytest.mark.skipif(not int8_mm_available(), reason="no aten._weight_int8pack_mm")
+def test_int8_weight_only_multiplies_in_bf16_where_asked_and_aligned(monkeypatch):
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 48)
+    q = Int8Linear.from_float(lin)
+    assert not q.bf16_products  # off until quantize_model finds native bf16
+    x = torch.randn(2, 3, 64)
+    exact = F.linear(x, q.dequantized(), lin.bias).detach()
+    plain = q(x)
+    assert q.use_bf16_products()
+    got = q(x)
+    assert got.shape == exact.shape and got.dtype == torch.float32
+    assert not torch.equal(got, plain)  # a different product ran
+    torch.testing.assert_close(got, exact, rtol=2e-2, atol=2e-2 * float(exact.abs().max()))
+    assert not Int8Linear.from_float(nn.Linear(40, 8)).use_bf16_products()  # 40 % 32 != 0
+    for fast in (False, True):
+        monkeypatch.setattr(hardware, "cpu_has_fast_bf16", lambda fast=fast: fast)
+        model = quantize_model(_model(), backend="weight_only")
+        flags = {m.bf16_products for m in model.modules() if isinstance(m, Int8Linear)}
+        assert flags == {fast}
 
 
 @needs_fbgemm
@@ -116,7 +139,8 @@ def test_packed_bf16_linear_gives_the_same_products_and_stays_a_plain_module():
     state = b.state_dict()
     assert not state["weight"].is_mkldnn and torch.equal(state["weight"], plain.weight)
     twin = copy.deepcopy(b)
-    assert twin.packed and twin.weight is not b.weight and torch.equal(twin.dense_weight(), plain.weight)
+    assert twin.packed and twin.weight is not b.weight
+    assert torch.equal(twin.dense_weight(), plain.weight)
     moved = b.to("cpu")
     assert moved.packed
     other = BF16Linear.from_float(nn.Linear(40, 24))
