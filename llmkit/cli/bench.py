@@ -9,6 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from llmkit.cli.common import (
+    QUANTIZE,
+    QUANTIZE_HELP,
     WEIGHTS,
     add_set,
     at_least,
@@ -59,9 +61,8 @@ def configure_generate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument(
         "--quantize",
-        choices=["int8", "bf16", "auto"],
-        help="int8 (CPU: fbgemm w8a8-dynamic), bf16, or auto (int8 on a CPU with fbgemm, "
-        "bf16 on a GPU that has it)",
+        choices=QUANTIZE,
+        help=QUANTIZE_HELP,
     )
     p.add_argument("--device", default="cpu", help="cpu (default), cuda, mps or auto")
     p.add_argument("--threads", type=at_least(1), default=None, help="torch CPU threads")

@@ -144,3 +144,13 @@ def add_set(parser: argparse.ArgumentParser, help: str = "dotted override") -> N
 
 
 WEIGHTS = ["final", "best", "latest"]
+
+
+#: ``--quantize`` choices (``llmkit.inference.quantize.METHODS``, kept here so that the CLI
+#: imports no torch to parse its arguments) and what they mean.
+QUANTIZE = ("int8", "int8-weight-only", "bf16", "auto")
+QUANTIZE_HELP = (
+    "int8 (CPU: fbgemm w8a8-dynamic, the fastest decode), int8-weight-only (int8 weights, "
+    "float activations; bf16 products on a CPU with native bf16), bf16 weights, or auto "
+    "(int8 on a CPU with fbgemm, bf16 on a GPU that has it)"
+)

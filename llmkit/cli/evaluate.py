@@ -8,7 +8,15 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from llmkit.cli.common import WEIGHTS, at_least, console, human_bytes, table
+from llmkit.cli.common import (
+    QUANTIZE,
+    QUANTIZE_HELP,
+    WEIGHTS,
+    at_least,
+    console,
+    human_bytes,
+    table,
+)
 from llmkit.errors import LlmkitError
 
 
@@ -29,8 +37,9 @@ def configure_eval(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto")
     p.add_argument(
         "--quantize",
-        choices=["int8"],
-        help="also evaluate int8 weights: prints both sizes, losses and perplexities",
+        choices=QUANTIZE,
+        help="also evaluate the model with converted weights, printing both sizes, losses "
+        f"and perplexities: {QUANTIZE_HELP}",
     )
     p.add_argument("--json", action="store_true")
     ppl = p.add_argument_group("perplexity (--data or the validation split)")

@@ -12,7 +12,7 @@ import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from llmkit.cli.common import WEIGHTS, seed, write
+from llmkit.cli.common import QUANTIZE, QUANTIZE_HELP, WEIGHTS, seed, write
 from llmkit.errors import LlmkitError
 
 
@@ -71,9 +71,8 @@ def configure_generate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--system", metavar="TEXT", help="--chat: a system message first")
     p.add_argument(
         "--quantize",
-        choices=["int8", "bf16", "auto"],
-        help="int8 weights (smaller; CPU: faster, fbgemm w8a8-dynamic), bf16, or auto "
-        "(int8 on a CPU with fbgemm, bf16 on a GPU that has it)",
+        choices=QUANTIZE,
+        help=QUANTIZE_HELP,
     )
     p.add_argument("--device", default="cpu", help="cpu (default), cuda, mps or auto")
     p.add_argument("--json", action="store_true", help="print text, ids and finish reasons")

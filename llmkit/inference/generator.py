@@ -58,8 +58,8 @@ class Generator:
     ``sampling`` keyword arguments are the fields of :class:`Sampling`; a ``stop`` may be a
     string or a list. Unless ``eos_id`` is given, the tokenizer's EOS id ends a row. A model
     it loads (a path) or quantizes gets the decoding layout (:func:`prepare_for_decoding`).
-    ``quantize`` (``"int8"``, ``"bf16"`` or ``"auto"``) decodes a converted copy
-    (:func:`~llmkit.inference.quantize.quantize_model`).
+    ``quantize`` (``"int8"``, ``"int8-weight-only"``, ``"bf16"`` or ``"auto"``) decodes a
+    converted copy (:func:`~llmkit.inference.quantize.quantize_model`).
     """
 
     def __init__(

@@ -49,7 +49,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-METHODS = ("int8", "bf16", "auto")
+#: ``int8-weight-only`` is ``int8`` with ``backend="weight_only"`` (one name for the CLI,
+#: whose ``--quantize`` offers these: ``llmkit.cli.common.QUANTIZE``).
+METHODS = ("int8", "int8-weight-only", "bf16", "auto")
 BACKENDS = ("auto", "dynamic", "weight_only")
 #: Bytes fbgemm keeps per output channel of a packed int8 weight (fp32 scale, int32 zero
 #: point, int32 column offset).
@@ -400,6 +402,10 @@ def quantize_model(
         raise ValueError(f"unknown quantization {method!r}; choose from {', '.join(METHODS)}")
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; choose from {', '.join(BACKENDS)}")
+    if method == "int8-weight-only":
+        if backend == "dynamic":
+            raise ValueError("int8-weight-only has no dynamic backend; use int8")
+        method, backend = "int8", "weight_only"
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     if method == "auto":
         method = choose_method(device, backend)

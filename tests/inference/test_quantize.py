@@ -269,6 +269,18 @@ def test_errors():
         quantize_model(model, "int4")
     with pytest.raises(ValueError, match="unknown backend"):
         quantize_model(model, backend="magic")
+    with pytest.raises(ValueError, match="no dynamic backend"):
+        quantize_model(model, "int8-weight-only", backend="dynamic")
+
+
+def test_int8_weight_only_is_one_name_for_the_weight_only_backend():
+    from llmkit.cli.common import QUANTIZE
+    from llmkit.inference.quantize import METHODS
+
+    assert QUANTIZE == METHODS  # the CLI's choices, kept torch-free
+    q = quantize_model(_model(), "int8-weight-only")
+    assert q.quantization.backend == "weight_only" and q.quantization.method == "int8"
+    assert isinstance(q.lm_head, Int8Linear)
 
 
 def test_cli_eval_reports_both_sizes_and_perplexities(tmp_path, capsys):
@@ -290,6 +302,12 @@ def test_cli_eval_reports_both_sizes_and_perplexities(tmp_path, capsys):
     report = json.loads(captured.out)
     assert report["int8"]["weight_bytes"] < report["weight_bytes"]
     assert abs(report["int8"]["loss"] - report["loss"]) < 0.05
-    for quantize in ("int8", "auto"):
+    for method in ("bf16", "int8-weight-only"):
+        assert cli.main([*argv[:-4], "--quantize", method, "--json", "--no-save"]) == 0
+        out = json.loads(capsys.readouterr().out)[method]
+        assert out["backend"] == ("bf16" if method == "bf16" else "weight_only")
+        assert out["weight_bytes"] < report["weight_bytes"]
+        assert abs(out["loss"] - report["loss"]) < 0.05
+    for quantize in ("int8", "int8-weight-only", "bf16", "auto"):
         gen = Generator(str(tmp_path), quantize=quantize)
         assert gen.generate("he", max_new_tokens=3)[0].ids
