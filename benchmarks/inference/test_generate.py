@@ -8,7 +8,8 @@ transposed. The suite first checks both give the same logits and the same greedy
 then times the same decode: 32-token prompts (1 and 8 of them) and 64 new tokens, for
 llmkit fp32, llmkit int8 (``quantize_model(model, "int8")``: on CPU fbgemm's w8a8-dynamic
 linear, the tied head included), llmkit bf16 (``quantize_model(model, "bf16")``: bf16
-weights, only where the CPU has AVX512-BF16 or AMX) and transformers fp32.
+weights, packed for oneDNN) and llmkit int8 weight-only (bf16 products), these two timed
+only where the CPU has AVX512-BF16 or AMX, and transformers fp32.
 
 Quick mode: a tiny model (per-token overhead dominates). ``LLMKIT_BENCH=full``: GPT-2 small
 (124M parameters). Each batch size is one pytest-benchmark group, so the comparison table
@@ -48,9 +49,9 @@ THREADS = int(os.environ.get("LLMKIT_BENCH_THREADS", "0")) or (
 ROUNDS = int(os.environ.get("LLMKIT_BENCH_ROUNDS", "0")) or (2 if FULL else 5)
 #: Decode ÷ transformers fp32 that test_low_precision_decodes_twice_as_fast requires: the
 #: issue's 2× at GPT-2 small for int8 (what ``quantize = "auto"`` picks on a CPU); bf16
-#: weights only faster (measured 1.14× at batch 1, 2.05× at batch 8 on an AVX512-BF16 EPYC:
-#: torch's bf16 matrix–vector product is slow there, docs/benchmarks.md); at the quick size
-#: (overhead-bound) both only faster.
+#: weights and int8 weight-only only faster (measured on an AVX512-BF16 EPYC: 1.70× and
+#: 1.87× at batch 1, 3.28× and 1.67× at batch 8; their one-row products stream no faster
+#: than fp32's, docs/benchmarks.md); at the quick size (overhead-bound) all only faster.
 LOW_PRECISION_SPEEDUP = {
     "llmkit-int8": 2.0 if FULL else 1.0,
     "llmkit-bf16": 1.0,

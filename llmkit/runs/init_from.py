@@ -50,8 +50,7 @@ def find_init_source(path: str | Path) -> InitSource:
             raise LlmkitError(
                 f"train.init_from: {p} is not a run, a checkpoint or a .safetensors file"
             )
-        tok = p.parent / TOKENIZER_FILE
-        return InitSource(p, p, None, tok if tok.is_file() else None)
+        return InitSource(p, p, None, _tokenizer_beside(p))
     try:
         run = open_run(p)
     except LlmkitError as exc:
@@ -59,6 +58,21 @@ def find_init_source(path: str | Path) -> InitSource:
     weights = run.weights("final")
     tok = run.dir / TOKENIZER_FILE
     return InitSource(p, weights, run.dir, tok if tok.is_file() else None)
+
+
+def _tokenizer_beside(weights: Path) -> Path | None:
+    """The tokenizer of a weights file: in its directory, else (a checkpoint's weights) in
+    the run that directory belongs to."""
+    from llmkit.runs import open_run
+
+    tok = weights.parent / TOKENIZER_FILE
+    if tok.is_file():
+        return tok
+    try:
+        tok = open_run(weights.parent).dir / TOKENIZER_FILE
+    except LlmkitError:
+        return None
+    return tok if tok.is_file() else None
 
 
 def read_tensors(path: Path) -> dict[str, torch.Tensor]:

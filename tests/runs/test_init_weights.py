@@ -45,6 +45,23 @@ def test_a_safetensors_file_is_a_source(tmp_path):
         assert torch.equal(a, b), k
 
 
+def test_a_checkpoints_weights_file_takes_its_runs_tokenizer(tmp_path):
+    from llmkit.runs import SPEC_FILE, TOKENIZER_FILE
+    from llmkit.runs.checkpoints import WEIGHTS
+
+    run = tmp_path / "run"
+    step = run / "checkpoints" / "step-10"
+    step.mkdir(parents=True)
+    (run / SPEC_FILE).write_text("model: {}\n")
+    (run / TOKENIZER_FILE).write_text("{}")
+    weights = saved(step, model(), WEIGHTS)
+    assert find_init_source(weights).tokenizer == run / TOKENIZER_FILE
+    (step / TOKENIZER_FILE).write_text("{}")  # one beside the file comes first
+    assert find_init_source(weights).tokenizer == step / TOKENIZER_FILE
+    alone = saved(tmp_path, model(), "alone.safetensors")
+    assert find_init_source(alone).tokenizer is None
+
+
 @pytest.mark.parametrize(
     ("make", "message"),
     [
