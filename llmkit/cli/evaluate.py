@@ -134,7 +134,7 @@ def run_eval(args: argparse.Namespace) -> int:
     run.model.to(device)
     con = console(stderr=args.json)  # with --json, stdout carries the JSON alone
     report: dict[str, Any] = {}
-    if args.data is not None or not tasks:
+    if args.data is not None or not tasks or args.quantize:  # --quantize compares perplexities
         report.update(_perplexity(con, run, args, device))
     if tasks:
         report["tasks"] = _run_tasks(con, run, tasks, args)

@@ -28,11 +28,11 @@ one table). Position embeddings, norms and biases keep their precision;
 
 **bf16.** :class:`BF16Linear` stores bf16 weights (half the bytes) and multiplies in bf16;
 the residual stream, norms and logits stay in the model's dtype. On a CPU with native bf16
-the weights are packed in oneDNN's layout (:meth:`BF16Linear.pack`), twice as fast there
-as ``F.linear`` on plain bf16 weights. Fast only where the
-hardware multiplies bf16 natively (CUDA, AVX512-BF16 or AMX CPUs); on an AVX2 CPU bf16
-products are emulated and far slower than fp32. A tied head shares its bf16 table with the
-embedding. ``method="auto"`` (:func:`choose_method`) picks int8 on a CPU with fbgemm (faster
+the weights are packed in oneDNN's layout (:meth:`BF16Linear.pack`), 1.5–2.2× as fast
+there as ``F.linear`` on plain bf16 weights. Fast only where the hardware multiplies bf16
+natively (CUDA, AVX512-BF16 or AMX CPUs); on an AVX2 CPU bf16 products are emulated and far
+slower than fp32. A tied head shares its bf16 table with the embedding, unless the head is
+packed: the embedding then keeps the plain table. ``method="auto"`` (:func:`choose_method`) picks int8 on a CPU with fbgemm (faster
 than bf16 for decoding even where the CPU has AVX512-BF16), bf16 on a CUDA GPU that has it.
 """
 
@@ -44,6 +44,7 @@ import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -108,7 +109,7 @@ class Int8Linear(nn.Module):
         return self.bf16_products
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.bf16_products and x.device.type == "cpu":
+        if self.bf16_products and x.device.type == "cpu" and _no_grad_to(x):
             x2 = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()
             scale = self.scale.to(torch.bfloat16)
             y = torch.ops.aten._weight_int8pack_mm(x2, self.weight, scale).to(x.dtype)
@@ -122,6 +123,11 @@ class Int8Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8"
+
+
+def _no_grad_to(x: Tensor) -> bool:
+    """Whether no gradient flows back to ``x`` (the fast CPU products have no backward)."""
+    return not (x.requires_grad and torch.is_grad_enabled())
 
 
 #: ``aten._weight_int8pack_mm`` on a CPU needs the inner dimension a multiple of this.
@@ -230,8 +236,10 @@ class BF16Linear(nn.Module):
         return self.weight.to_dense() if self.packed else self.weight
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.packed:
+        if self.packed and _no_grad_to(x):
             y = _packed_linear(x.to(torch.bfloat16), self.weight).to(x.dtype)
+        elif self.packed:  # oneDNN's packed product has no backward
+            y = F.linear(x.to(torch.bfloat16), self.weight.to_dense()).to(x.dtype)
         else:
             y = F.linear(x.to(torch.bfloat16), self.weight).to(x.dtype)
         return y if self.bias is None else y + self.bias.to(x.dtype)
@@ -258,14 +266,20 @@ class BF16Linear(nn.Module):
             self.pack()
         return out
 
-    def __deepcopy__(self, memo: dict) -> BF16Linear:
-        bias = None if self.bias is None else copy.deepcopy(self.bias, memo)
-        new = type(self)(self.dense_weight().clone(), bias)
-        new.train(self.training)
-        memo[id(self)] = new
+    def __getstate__(self) -> dict[str, Any]:
+        """For ``copy.deepcopy`` and pickling: a packed weight as its plain tensor (opaque
+        tensors have no storage to copy), packed again by :meth:`__setstate__`."""
+        state = dict(super().__getstate__())
         if self.packed:
-            new.pack()
-        return new
+            state["_buffers"] = {**state["_buffers"], "weight": self.weight.to_dense()}
+            state["_repack"] = True
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        repack = state.pop("_repack", False)
+        super().__setstate__(state)
+        if repack:
+            self.pack()
 
     def extra_repr(self) -> str:
         packed = ", packed (oneDNN)" if self.packed else ""
@@ -356,9 +370,9 @@ def choose_method(device: torch.device | str = "cpu", backend: str = "auto") -> 
     else int8.
 
     On a 2-core EPYC with AVX512-BF16 (docs/benchmarks.md), GPT-2 small greedy decode against
-    transformers fp32: int8 3.25× at batch 1 and 5.00× at batch 8, bf16 weights 1.14× and
-    2.05× (torch's bf16 matrix–vector product streams 7.5 GB/s of weights there, fp32's
-    12.3 GB/s)."""
+    transformers fp32: int8 3.81–3.87× at batch 1 and 3.87–4.94× at batch 8, packed bf16
+    weights 1.70–1.81× and 3.11–3.28× (oneDNN's packed bf16 matrix–vector product streams
+    10–15 GB/s of weights there, about fp32's rate)."""
     device = torch.device(device)
     if device.type == "cuda":
         return "bf16" if torch.cuda.is_bf16_supported() else "int8"

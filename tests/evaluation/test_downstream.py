@@ -77,6 +77,10 @@ def test_eval_task_prints_saves_and_reports_json(facts, capsys):
     assert again["metrics"] == mc["metrics"]
     saved = json.loads((facts["trained"] / "eval" / "capitals-2shot.json").read_text())
     assert len(saved["samples"]) == 10 and len(saved["samples"][0]["logprobs"]) == 4
+    # --quantize compares perplexities: with tasks alone, on the validation split too
+    assert main([*argv[:4], "--limit", "4", "--quantize", "int8", "--json", "--no-save"]) == 0
+    both = json.loads(capsys.readouterr().out)
+    assert {"tasks", "int8", "loss"} <= set(both) and both["int8"]["weight_bytes"] > 0
 
 
 def test_sliding_windows_score_the_same_tokens_with_more_context(facts, tmp_path, capsys):

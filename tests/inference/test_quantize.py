@@ -3,6 +3,7 @@ decoding step, the ``auto`` choice and accuracy."""
 
 from __future__ import annotations
 
+import io
 import json
 
 import pytest
@@ -150,6 +151,42 @@ def test_packed_bf16_linear_gives_the_same_products_and_stays_a_plain_module():
     fp = BF16Linear.from_float(lin)
     fp.weight = fp.weight.float()  # only bf16 weights are packed
     assert not fp.pack() and not fp.packed
+    buf = io.BytesIO()
+    torch.save(b, buf)  # pickled plain, packed again on load
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    assert loaded.packed and torch.equal(loaded.dense_weight(), plain.weight)
+
+
+@pytest.mark.parametrize("packed", [False, pytest.param(True, marks=needs_packing)])
+def test_a_deepcopy_keeps_the_tie_hooks_and_attributes(packed, monkeypatch):
+    import copy
+
+    monkeypatch.setattr(hardware, "cpu_has_fast_bf16", lambda: packed)
+    q = quantize_model(_model(), "bf16")
+    assert q.lm_head.packed is packed
+    q.lm_head.note = "kept"
+    calls = []
+    q.lm_head.register_forward_hook(lambda *a: calls.append(1))
+    twin = copy.deepcopy(q)
+    assert twin.lm_head.packed is packed and twin.lm_head.note == "kept"
+    if not packed:
+        assert twin.tok_emb.weight is twin.lm_head.weight  # still one table
+    assert weight_bytes(twin) == weight_bytes(q)
+    idx = torch.randint(0, 128, (1, 8))
+    with torch.no_grad():
+        torch.testing.assert_close(twin(idx).logits, q(idx).logits, rtol=0, atol=0)
+    assert calls == [1, 1]
+
+
+@pytest.mark.parametrize("method", ["bf16", "int8-weight-only"])
+def test_fast_cpu_products_step_aside_for_gradients(method, monkeypatch):
+    monkeypatch.setattr(hardware, "cpu_has_fast_bf16", lambda: True)
+    q = quantize_model(_model(), method)
+    lin = q.layers[0].attn.qkv
+    x = torch.randn(2, 64, requires_grad=True)
+    lin(x).sum().backward()  # no fast path has a backward: the plain product runs
+    assert x.grad is not None and float(x.grad.abs().sum()) > 0
 
 
 @pytest.mark.parametrize(
