@@ -32,8 +32,9 @@ the weights are packed in oneDNN's layout (:meth:`BF16Linear.pack`), 1.5–2.2×
 there as ``F.linear`` on plain bf16 weights. Fast only where the hardware multiplies bf16
 natively (CUDA, AVX512-BF16 or AMX CPUs); on an AVX2 CPU bf16 products are emulated and far
 slower than fp32. A tied head shares its bf16 table with the embedding, unless the head is
-packed: the embedding then keeps the plain table. ``method="auto"`` (:func:`choose_method`) picks int8 on a CPU with fbgemm (faster
-than bf16 for decoding even where the CPU has AVX512-BF16), bf16 on a CUDA GPU that has it.
+packed: the embedding then keeps the plain table. ``method="auto"`` (:func:`choose_method`)
+picks int8 on a CPU with fbgemm (faster than bf16 for decoding even where the CPU has
+AVX512-BF16), bf16 on a CUDA GPU that has it.
 """
 
 from __future__ import annotations
