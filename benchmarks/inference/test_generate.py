@@ -49,9 +49,10 @@ THREADS = int(os.environ.get("LLMKIT_BENCH_THREADS", "0")) or (
 ROUNDS = int(os.environ.get("LLMKIT_BENCH_ROUNDS", "0")) or (2 if FULL else 5)
 #: Decode ÷ transformers fp32 that test_low_precision_decodes_twice_as_fast requires: the
 #: issue's 2× at GPT-2 small for int8 (what ``quantize = "auto"`` picks on a CPU); bf16
-#: weights and int8 weight-only only faster (measured on an AVX512-BF16 EPYC: 1.70× and
-#: 1.87× at batch 1, 3.28× and 1.67× at batch 8; their one-row products stream no faster
-#: than fp32's, docs/benchmarks.md); at the quick size (overhead-bound) all only faster.
+#: weights and int8 weight-only only faster (measured on an AVX512-BF16 EPYC: 1.70–1.81× and
+#: 1.66–1.87× at batch 1, 3.11–3.28× and 1.67–1.80× at batch 8; their one-row products
+#: stream no faster than fp32's, docs/benchmarks.md); at the quick size (overhead-bound)
+#: all only faster.
 LOW_PRECISION_SPEEDUP = {
     "llmkit-int8": 2.0 if FULL else 1.0,
     "llmkit-bf16": 1.0,
@@ -76,7 +77,7 @@ def models():
     torch.manual_seed(0)
     ours = build_model(load_spec_dict(gpt2_spec(*SHAPE))).eval()
     hf = to_hf_gpt2(ours)
-    # What `llmkit generate --quantize int8 | bf16` decodes.
+    # What `llmkit generate --quantize int8 | bf16 | int8-weight-only` decodes.
     low = {impl: quantize_model(ours, **kw) for impl, kw in CONVERSIONS.items()}
     for model in (ours, *low.values()):
         prepare_for_decoding(model)  # what `llmkit generate` does to the models it loads

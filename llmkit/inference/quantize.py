@@ -20,7 +20,7 @@ one table). Position embeddings, norms and biases keep their precision;
   ``(x @ q.T) · scale`` in the activation's dtype: genuinely weight-only, the same memory
   saving. On a CPU with native bf16 (AVX512-BF16 or AMX) the product runs in
   ``aten._weight_int8pack_mm`` with the activation in bf16, which reads the int8 weight as
-  is (1.7× transformers' fp32 decode at batch 1 on a 2-core EPYC, docs/benchmarks.md).
+  is (1.66–1.87× transformers' fp32 decode at batch 1 on a 2-core EPYC, docs/benchmarks.md).
   Elsewhere it is no faster than fp32: PyTorch has no fast int8-weight fp32-activation
   kernel on AVX2 CPUs (``_weight_int8pack_mm`` with fp32 activations streams 1 GB/s).
 
