@@ -83,7 +83,8 @@ class DropoutAttention(torch.autograd.Function):
         scale = 1.0 / math.sqrt(q.shape[-1])
         b, h, tq = q.shape[:3]
         low, wide = q.dtype, _wide(q.dtype)
-        # (B·H, T, D): bmm reads the transposed views below without copying them.
+        # (B·H, T, D) views. fp32 bmm reads the sliced and transposed views below in place;
+        # bf16 bmm (oneDNN) copies each slice to a contiguous operand first.
         q3, k3, v3 = (x.reshape(b * h, x.shape[2], x.shape[3]) for x in (q, k, v))
         blocks = row_blocks(tq, k.shape[2], causal)
         # Each mask holds 0 or 1/(1−p), so no other factor appears in either direction.
