@@ -8,14 +8,16 @@ transposed. The suite first checks both give the same logits and the same greedy
 then times the same decode: 32-token prompts (1 and 8 of them) and 64 new tokens, for
 llmkit fp32, llmkit int8 (``quantize_model(model, "int8")``: on CPU fbgemm's w8a8-dynamic
 linear, the tied head included), llmkit bf16 (``quantize_model(model, "bf16")``: bf16
-weights, packed for oneDNN) and llmkit int8 weight-only (bf16 products), these two timed
-only where the CPU has AVX512-BF16 or AMX, and transformers fp32.
+weights, packed for oneDNN; timed only where the CPU has AVX512-BF16 or AMX), llmkit int8
+weight-only (fbgemm's int8 product with two-digit activations; where fbgemm is missing, bf16
+products where the CPU has them, else not timed) and transformers fp32.
 
 Quick mode: a tiny model (per-token overhead dominates). ``LLMKIT_BENCH=full``: GPT-2 small
 (124M parameters). Each batch size is one pytest-benchmark group, so the comparison table
 shows the ratios; ``test_llmkit_decodes_faster`` (fp32, batch 1) and
-``test_low_precision_decodes_twice_as_fast`` (int8 everywhere, bf16 where the CPU has fast
-bf16; batch 1 and 8; ≥ 2× at GPT-2 small) also check them on the best of interleaved runs.
+``test_low_precision_decodes_twice_as_fast`` (int8 and int8 weight-only everywhere, bf16 where
+the CPU has fast bf16; batch 1 and 8; ≥ 2× at GPT-2 small for both int8s) also check them on
+the best of interleaved runs.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import torch.nn.functional as F
 from benchmarks.conftest import FULL
 from llmkit.hardware import cpu_has_fast_bf16
 from llmkit.inference import Sampling, generate_batch, prepare_for_decoding
-from llmkit.inference.quantize import quantize_model
+from llmkit.inference.quantize import digits_available, quantize_model
 from llmkit.model import Transformer, build_model
 from llmkit.spec import load_spec_dict
 from tests.hf_gpt2 import gpt2_spec, to_hf_gpt2
@@ -48,20 +50,26 @@ THREADS = int(os.environ.get("LLMKIT_BENCH_THREADS", "0")) or (
 #: Interleaved rounds of the ratio tests (``LLMKIT_BENCH_ROUNDS``).
 ROUNDS = int(os.environ.get("LLMKIT_BENCH_ROUNDS", "0")) or (2 if FULL else 5)
 #: Decode ÷ transformers fp32 that test_low_precision_decodes_twice_as_fast requires: the
-#: issue's 2× at GPT-2 small for int8 (what ``quantize = "auto"`` picks on a CPU); bf16
-#: weights and int8 weight-only only faster (measured on an AVX512-BF16 EPYC: 1.70–1.81× and
-#: 1.66–1.87× at batch 1, 3.11–3.28× and 1.67–1.80× at batch 8; their one-row products
-#: stream no faster than fp32's, docs/benchmarks.md); at the quick size (overhead-bound)
-#: all only faster.
+#: issue's 2× at GPT-2 small for int8 (what ``quantize = "auto"`` picks on a CPU) and for
+#: int8 weight-only on fbgemm (measured on an AVX512-BF16 EPYC: 2.96× at batch 1 and 8);
+#: bf16 weights and weight-only's bf16 products only faster (1.70–2.00× and 1.66–1.87× at
+#: batch 1 there, their one-row products stream no faster than fp32's, docs/benchmarks.md);
+#: at the quick size (overhead-bound) all only faster.
+FAST_BF16 = cpu_has_fast_bf16()
+DIGITS = digits_available()
 LOW_PRECISION_SPEEDUP = {
     "llmkit-int8": 2.0 if FULL else 1.0,
     "llmkit-bf16": 1.0,
-    "llmkit-int8-weight-only": 1.0,
+    "llmkit-int8-weight-only": 2.0 if FULL and DIGITS else 1.0,
 }
-#: bf16 weights and int8 weight-only (bf16 products) are timed only where the CPU
-#: multiplies bf16 natively (elsewhere emulated, or fp32 products on dequantized weights).
-FAST_BF16 = cpu_has_fast_bf16()
-LOW_PRECISION = ["llmkit-int8"] + (["llmkit-bf16", "llmkit-int8-weight-only"] if FAST_BF16 else [])
+#: bf16 weights are timed only where the CPU multiplies bf16 natively (elsewhere emulated);
+#: int8 weight-only where fbgemm's product or native bf16 runs it (else fp32 products on
+#: dequantized weights).
+LOW_PRECISION = (
+    ["llmkit-int8"]
+    + (["llmkit-bf16"] if FAST_BF16 else [])
+    + (["llmkit-int8-weight-only"] if DIGITS or FAST_BF16 else [])
+)
 #: What each low-precision impl is: ``quantize_model`` arguments.
 CONVERSIONS = {
     "llmkit-int8": {"method": "int8"},

@@ -16,13 +16,16 @@ one table). Position embeddings, norms and biases keep their precision;
   weight-only, but 1.6–10× faster than fp32 per product on an AVX2 CPU (the fastest
   decode here). Packing uses the ``torch.ops.quantized`` operators directly, not the deprecated
   ``torch.ao.quantization`` workflow.
-- ``weight_only`` (any device): :class:`Int8Linear` keeps int8 weights and computes
-  ``(x @ q.T) · scale`` in the activation's dtype: genuinely weight-only, the same memory
-  saving. On a CPU with native bf16 (AVX512-BF16 or AMX) the product runs in
-  ``aten._weight_int8pack_mm`` with the activation in bf16, which reads the int8 weight as
-  is (1.66–1.87× transformers' fp32 decode at batch 1 on a 2-core EPYC, docs/benchmarks.md).
-  Elsewhere it is no faster than fp32: PyTorch has no fast int8-weight fp32-activation
-  kernel on AVX2 CPUs (``_weight_int8pack_mm`` with fp32 activations streams 1 GB/s).
+- ``weight_only`` (any device): the activations are not quantized to int8. On an x86 CPU
+  with fbgemm, :class:`Int8DigitsLinear`: fbgemm's int8 product, each activation row
+  carried as two 7-bit digits (about 14 bits, finer than bf16 for every element above 1/30
+  of the row's largest), at nearly w8a8's speed: 2.96× transformers' fp32 decode at batch
+  1 and 8 on a 2-core EPYC (docs/benchmarks.md). Elsewhere :class:`Int8Linear` keeps int8
+  weights and computes ``(x @ q.T) · scale`` in the activation's dtype; on a CPU with
+  native bf16 (AVX512-BF16 or AMX) in ``aten._weight_int8pack_mm`` with the activation in
+  bf16, which reads the int8 weight as is. Without either it is no faster than fp32:
+  PyTorch has no fast int8-weight fp32-activation kernel on AVX2 CPUs
+  (``_weight_int8pack_mm`` with fp32 activations streams 1 GB/s).
 
 ``auto`` picks ``dynamic`` for a CPU model where fbgemm works, else ``weight_only``.
 
@@ -192,6 +195,95 @@ class DynamicInt8Linear(nn.Module):
             f"in_features={self.in_features}, out_features={self.out_features}, "
             "int8 w8a8-dynamic (fbgemm)"
         )
+
+
+#: :class:`Int8DigitsLinear`: each activation row is scaled to ±DIGIT (7-bit values around
+#: the zero point DIGIT + 1, the range fbgemm's AVX2 kernels add in pairs without
+#: saturating); its rounding error, times LOW_DIGIT_SCALE, is the second digit.
+DIGIT = 63
+LOW_DIGIT_SCALE = 2 * DIGIT
+#: ``weight_only`` on a CPU: layers with fewer weights keep :class:`Int8Linear`. The two
+#: digits cost about 70 µs a call at any size (a dozen small ops of 4–5 µs and fbgemm's
+#: call), Int8Linear's plain product about 15 µs at 64×64. One row, weights streamed from
+#: memory (2-core EPYC), digits against plain: 512×512 93 / 63 µs, 768×768 125 / 109,
+#: 512×2048 131 / 182, 768×3072 197 / 344 (fp32 764).
+DIGITS_MIN_WEIGHTS = 1 << 19
+
+
+class Int8DigitsLinear(DynamicInt8Linear):
+    """int8 weight-only on fbgemm's int8 product (x86 CPUs): per-channel int8 weights packed
+    for fbgemm, and each activation row carried as *two* 7-bit digits, so that the product
+    runs in int8 at w8a8's speed while the activation keeps about 14 bits.
+
+    A row x with largest magnitude m becomes u = x · 63/m; its high digit is round(u), its
+    low digit round(126·(u − round(u))). Both go through one fbgemm call as rows of the
+    same input (at one or eight rows the call costs what one row does: the weight is read
+    once), and y = (W·hi + W·lo/126) · m/63 + bias. The activation's error is at most
+    m/(2·63·126) ≈ m/15,900 per element, below bf16's rounding of every element larger
+    than m/30 (bf16 keeps 8 significant bits); the w8a8 backend's is m/127.
+    """
+
+    def __init__(self, weight: Tensor, scale: Tensor, bias: Tensor | None) -> None:
+        super().__init__(weight, scale, None)  # the bias is added after the digits meet
+        self.bias = None if bias is None else nn.Parameter(bias.detach().float(), False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not _no_grad_to(x):  # fbgemm's product has no backward: the dequantized weight
+            w, scale = self.int8_weight()
+            bias = None if self.bias is None else self.bias.to(x.dtype)
+            return F.linear(x, (w.float() * scale[:, None]).to(x.dtype), bias)
+        x2 = x.reshape(-1, self.in_features).float()
+        rows = x2.shape[0]
+        # A digit's unit in x's units, per row: m/DIGIT.
+        unit = x2.abs().amax(1, keepdim=True).clamp_(min=1e-30).mul_(1 / DIGIT)
+        digits = torch.empty(2, rows, self.in_features)
+        u = torch.div(x2, unit, out=digits[1])
+        hi = torch.round(u, out=digits[0])
+        u.sub_(hi).mul_(LOW_DIGIT_SCALE)  # the low digit, rounded by fbgemm
+        out = _DIGITS_PRODUCT(digits.view(2 * rows, -1), 1.0, DIGIT + 1, self._packed)
+        y = torch.add(out[:rows], out[rows:], alpha=1.0 / LOW_DIGIT_SCALE)
+        y = y.mul_(unit) if self.bias is None else torch.addcmul(self.bias, y, unit)
+        y = y.view(*x.shape[:-1], self.out_features)
+        return y if y.dtype == x.dtype else y.to(x.dtype)
+
+    def weight_nbytes(self) -> int:
+        return self.out_features * (self.in_features + PACKED_BYTES_PER_CHANNEL)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            "int8 weight-only (fbgemm, two-digit activations)"
+        )
+
+
+#: fbgemm's int8 linear on a float input quantized with a given scale and zero point,
+#: dequantized to fp32 (the product of :class:`Int8DigitsLinear`).
+_DIGITS_PRODUCT = getattr(
+    torch.ops.quantized, "linear_with_input_q_dq_qweight_dq_output_fp32", None
+)
+
+
+@functools.cache
+def digits_available() -> bool:
+    """Whether fbgemm's int8 linear with a given input scale works here (x86 CPU builds)
+    and :class:`Int8DigitsLinear` gives the dequantized product (checked once on a small
+    one: 1e-3 of the largest output, where the two digits give about 1e-4)."""
+    if _DIGITS_PRODUCT is None:
+        return False
+    try:
+        g = torch.Generator().manual_seed(0)
+        lin = nn.Linear(40, 24)
+        with torch.no_grad():
+            lin.weight.copy_(torch.randn(24, 40, generator=g))
+            lin.bias.copy_(torch.randn(24, generator=g))
+        layer = Int8DigitsLinear.from_float(lin)
+        x = torch.randn(3, 40, generator=g)
+        got = layer(x)
+        w, scale = layer.int8_weight()
+        want = F.linear(x, w.float() * scale[:, None], lin.bias.detach())
+        return bool((got - want).abs().max() <= 1e-3 * want.abs().max())
+    except (AttributeError, RuntimeError, NotImplementedError):
+        return False
 
 
 class BF16Linear(nn.Module):
@@ -365,10 +457,11 @@ def dynamic_available() -> bool:
 
 
 def choose_method(device: torch.device | str = "cpu", backend: str = "auto") -> str:
-    """``auto``: on a CPU, int8 where fbgemm's dynamic linear works and ``backend`` allows it
-    (the fastest decode measured on every CPU here, AVX512-BF16 ones included), else bf16
-    where the CPU multiplies it natively, else int8; on a CUDA GPU, bf16 where it has it,
-    else int8.
+    """``auto``: on a CPU, int8 where fbgemm's int8 product serves ``backend`` (its dynamic
+    linear for ``auto`` and ``dynamic``, :class:`Int8DigitsLinear` for ``weight_only``: the
+    fastest decodes measured on every CPU here, AVX512-BF16 ones included), else bf16 where
+    the CPU multiplies it natively, else int8; on a CUDA GPU, bf16 where it has it, else
+    int8.
 
     On a 2-core EPYC with AVX512-BF16 (docs/benchmarks.md), GPT-2 small greedy decode against
     transformers fp32: int8 3.81–3.87× at batch 1 and 3.87–4.94× at batch 8, packed bf16
@@ -377,8 +470,8 @@ def choose_method(device: torch.device | str = "cpu", backend: str = "auto") -> 
     device = torch.device(device)
     if device.type == "cuda":
         return "bf16" if torch.cuda.is_bf16_supported() else "int8"
-    dynamic = backend in ("auto", "dynamic") and dynamic_available()
-    if device.type == "cpu" and not dynamic and _cpu_has_fast_bf16():
+    fbgemm = dynamic_available() if backend in ("auto", "dynamic") else digits_available()
+    if device.type == "cpu" and not fbgemm and _cpu_has_fast_bf16():
         return "bf16"
     return "int8"
 
@@ -477,6 +570,9 @@ def _convert(linear: nn.Linear, backend: str) -> nn.Module:
         return BF16Linear.from_float(linear)
     if backend == "dynamic":
         return DynamicInt8Linear.from_float(linear)
+    large = linear.weight.numel() >= DIGITS_MIN_WEIGHTS
+    if linear.weight.device.type == "cpu" and large and digits_available():
+        return Int8DigitsLinear.from_float(linear)
     return Int8Linear.from_float(linear).to(linear.weight.device)
 
 

@@ -14,16 +14,19 @@ from torch import nn
 from llmkit import cli, hardware
 from llmkit.data.tokenizer import train_char
 from llmkit.inference import Generator, Sampling, generate_batch
+from llmkit.inference import quantize as quantize_module
 from llmkit.inference.quantize import (
     PACKED_BYTES_PER_CHANNEL,
     BF16Linear,
     DynamicInt8Linear,
+    Int8DigitsLinear,
     Int8Embedding,
     Int8Linear,
     LowPrecisionEmbedding,
     bf16_packing_available,
     choose_method,
     decode_read_bytes,
+    digits_available,
     dynamic_available,
     int8_mm_available,
     quantize_model,
@@ -35,9 +38,47 @@ from llmkit.runs.checkpoints import WEIGHTS, save_weights
 from llmkit.spec import load_spec_dict
 from tests.helpers import tiny_spec
 
-BACKENDS = ["weight_only"] + (["dynamic"] if dynamic_available() else [])
 needs_fbgemm = pytest.mark.skipif(not dynamic_available(), reason="no fbgemm int8 linear")
-HEAD_TYPES = {"weight_only": Int8Linear, "dynamic": DynamicInt8Linear, "bf16": BF16Linear}
+needs_digits = pytest.mark.skipif(not digits_available(), reason="no fbgemm int8 product")
+#: ``weight_only``: the plain int8 weight-only layer (``Int8Linear``, what a CPU without
+#: fbgemm or a GPU gets); ``digits``: the weight_only backend where fbgemm works.
+BACKENDS = [
+    "weight_only",
+    pytest.param("digits", marks=needs_digits),
+    pytest.param("dynamic", marks=needs_fbgemm),
+]
+HEAD_TYPES = {
+    "weight_only": Int8Linear,
+    "digits": Int8DigitsLinear,
+    "dynamic": DynamicInt8Linear,
+    "bf16": BF16Linear,
+}
+
+
+@pytest.fixture(autouse=True)
+def _weight_only_layer(request, monkeypatch):
+    """Tests parametrized with backend ``weight_only``, and tests that ask for fixture
+    ``plain_int8``, get ``Int8Linear`` from ``backend="weight_only"``."""
+    callspec = getattr(request.node, "callspec", None)
+    plain = callspec is not None and callspec.params.get("backend") == "weight_only"
+    if plain or "plain_int8" in request.fixturenames:
+        monkeypatch.setattr(quantize_module, "digits_available", lambda: False)
+    else:  # the test models are small: every layer takes the digits where fbgemm works
+        monkeypatch.setattr(quantize_module, "DIGITS_MIN_WEIGHTS", 0)
+
+
+def test_only_large_layers_take_the_digits(monkeypatch):
+    lin = nn.Linear(64, 32)
+    monkeypatch.setattr(quantize_module, "DIGITS_MIN_WEIGHTS", 64 * 32 + 1)
+    assert type(quantize_module._convert(lin, "weight_only")) is Int8Linear
+    monkeypatch.setattr(quantize_module, "DIGITS_MIN_WEIGHTS", 64 * 32)
+    want = Int8DigitsLinear if digits_available() else Int8Linear
+    assert type(quantize_module._convert(lin, "weight_only")) is want
+
+
+@pytest.fixture
+def plain_int8():
+    """Marks a test whose weight_only layers are ``Int8Linear`` (see the autouse fixture)."""
 
 
 def _model(**model):
@@ -49,7 +90,7 @@ def _model(**model):
 def _convert(model, backend, **kw):
     if backend == "bf16":
         return quantize_model(model, "bf16", **kw)
-    return quantize_model(model, backend=backend, **kw)
+    return quantize_model(model, backend="weight_only" if backend == "digits" else backend, **kw)
 
 
 def test_int8_linear_is_per_channel_symmetric():
@@ -70,7 +111,7 @@ def test_int8_linear_is_per_channel_symmetric():
 
 
 @pytest.mark.skipif(not int8_mm_available(), reason="no aten._weight_int8pack_mm")
-def test_int8_weight_only_multiplies_in_bf16_where_asked_and_aligned(monkeypatch):
+def test_int8_weight_only_multiplies_in_bf16_where_asked_and_aligned(monkeypatch, plain_int8):
     torch.manual_seed(0)
     lin = nn.Linear(64, 48)
     q = Int8Linear.from_float(lin)
@@ -89,6 +130,37 @@ def test_int8_weight_only_multiplies_in_bf16_where_asked_and_aligned(monkeypatch
         model = quantize_model(_model(), backend="weight_only")
         flags = {m.bf16_products for m in model.modules() if isinstance(m, Int8Linear)}
         assert flags == {fast}
+
+
+@needs_digits
+@pytest.mark.parametrize("features", [(64, 48), (40, 24), (13, 5)])
+def test_digits_linear_is_weight_only_grade(features):
+    """Two 7-bit digits per activation row: within 2e-4 of each row's largest product term
+    of the exact product on the dequantized weight, where w8a8 is off by about 1e-2; rows of
+    any magnitude keep that precision (one scale per row), zero rows give the bias."""
+    torch.manual_seed(0)
+    lin = nn.Linear(*features)
+    ref, q = Int8Linear.from_float(lin), Int8DigitsLinear.from_float(lin)
+    w, scale = q.int8_weight()
+    assert torch.equal(w, ref.weight) and torch.allclose(scale, ref.scale)
+    x = torch.randn(3, 4, features[0])
+    x[0, 1] *= 1e4
+    x[1, 2] *= 1e-4
+    x[2, 3] = 0
+    with torch.no_grad():
+        exact = F.linear(x, ref.dequantized(), lin.bias)
+        got = q(x)
+        bound = (x.abs().amax(-1, keepdim=True) * ref.dequantized().abs().sum(1)) * 2e-4
+    assert got.shape == exact.shape and got.dtype == torch.float32
+    assert bool(((got - exact).abs() <= bound).all())
+    torch.testing.assert_close(got[2, 3], lin.bias.detach())
+    if dynamic_available():  # the w8a8 product of the same values is far coarser
+        dyn = DynamicInt8Linear.from_float(lin)
+        with torch.no_grad():
+            assert (dyn(x[2]) - exact[2]).abs().max() > 20 * (got[2] - exact[2]).abs().max()
+    assert q(x.bfloat16()).dtype == torch.bfloat16
+    assert q.weight_nbytes() == features[1] * (features[0] + PACKED_BYTES_PER_CHANNEL)
+    assert "two-digit" in repr(q)
 
 
 @needs_fbgemm
@@ -179,11 +251,16 @@ def test_a_deepcopy_keeps_the_tie_hooks_and_attributes(packed, monkeypatch):
     assert calls == [1, 1]
 
 
-@pytest.mark.parametrize("method", ["bf16", "int8-weight-only"])
+@pytest.mark.parametrize(
+    "method", ["bf16", "int8-weight-only", pytest.param("digits", marks=needs_digits)]
+)
 def test_fast_cpu_products_step_aside_for_gradients(method, monkeypatch):
     monkeypatch.setattr(hardware, "cpu_has_fast_bf16", lambda: True)
-    q = quantize_model(_model(), method)
+    if method == "int8-weight-only":  # Int8Linear and its bf16 products
+        monkeypatch.setattr(quantize_module, "digits_available", lambda: False)
+    q = quantize_model(_model(), "int8-weight-only" if method == "digits" else method)
     lin = q.layers[0].attn.qkv
+    assert type(lin) is {"bf16": BF16Linear, "digits": Int8DigitsLinear}.get(method, Int8Linear)
     x = torch.randn(2, 64, requires_grad=True)
     lin(x).sum().backward()  # no fast path has a backward: the plain product runs
     assert x.grad is not None and float(x.grad.abs().sum()) > 0
@@ -199,7 +276,7 @@ def test_a_tied_head_is_converted_and_the_embedding_looks_up_its_table(backend, 
     backend = "bf16" if packed else backend
     q = _convert(model, backend)
     assert q is not model and type(model.layers[0].attn.qkv) is nn.Linear  # a copy
-    assert q.quantization.backend == backend
+    assert q.quantization.backend == ("weight_only" if backend == "digits" else backend)
     assert not [m for m in q.modules() if type(m) is nn.Linear]  # the head too
     assert type(q.lm_head) is HEAD_TYPES[backend]
     assert q.quantization.linears == 4 * len(model.layers) + 1
@@ -241,16 +318,17 @@ def test_a_tied_head_is_converted_and_the_embedding_looks_up_its_table(backend, 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_untied_head_is_quantized_and_head_false_keeps_it(backend):
     model = _model(tie_embeddings=False)
-    q = quantize_model(model, backend=backend)
+    q = _convert(model, backend)
     assert not any(type(m) is nn.Linear for m in q.modules())
+    assert type(q.lm_head) is HEAD_TYPES[backend]
     assert type(q.tok_emb) is nn.Embedding and q.tok_emb.weight.dtype == torch.float32
-    kept = quantize_model(model, backend=backend, head=False)
+    kept = _convert(model, backend, head=False)
     assert type(kept.lm_head) is nn.Linear
-    tied = quantize_model(_model(), backend=backend, head=False)
+    tied = _convert(_model(), backend, head=False)
     assert type(tied.lm_head) is nn.Linear and tied.lm_head.weight is tied.tok_emb.weight
 
 
-def test_decode_read_bytes_leaves_out_lookups_only():
+def test_decode_read_bytes_leaves_out_lookups_only(plain_int8):
     model = _model(position={"name": "learned"})
     params = {id(p): p for p in model.parameters()}
     wpe = model.position.wpe.weight
@@ -277,6 +355,9 @@ def test_auto_picks_the_fastest_decode_on_a_cpu(monkeypatch):
         monkeypatch.setattr(hardware, "cpu_has_fast_bf16", lambda fast=fast_bf16: fast)
         assert choose_method("cpu") == "int8"
         assert quantize_model(model, "auto").quantization.method == "int8"
+    monkeypatch.setattr(quantize_module, "digits_available", lambda: True)
+    assert choose_method("cpu", "weight_only") == "int8"  # fbgemm's two-digit product
+    monkeypatch.setattr(quantize_module, "digits_available", lambda: False)
     assert choose_method("cpu", "weight_only") == "bf16"  # int8 here would not be fbgemm's
     monkeypatch.setattr(quantize_module, "dynamic_available", lambda: False)
     assert choose_method("cpu") == "bf16"  # without fbgemm, bf16 where it is native
@@ -317,7 +398,7 @@ def test_int8_weight_only_is_one_name_for_the_weight_only_backend():
     assert QUANTIZE == METHODS  # the CLI's choices, kept torch-free
     q = quantize_model(_model(), "int8-weight-only")
     assert q.quantization.backend == "weight_only" and q.quantization.method == "int8"
-    assert isinstance(q.lm_head, Int8Linear)
+    assert type(q.lm_head) is (Int8DigitsLinear if digits_available() else Int8Linear)
 
 
 def test_cli_eval_reports_both_sizes_and_perplexities(tmp_path, capsys):
