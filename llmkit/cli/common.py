@@ -151,6 +151,7 @@ WEIGHTS = ["final", "best", "latest"]
 QUANTIZE = ("int8", "int8-weight-only", "bf16", "auto")
 QUANTIZE_HELP = (
     "int8 (CPU: fbgemm w8a8-dynamic, the fastest decode), int8-weight-only (int8 weights, "
-    "float activations; bf16 products on a CPU with native bf16), bf16 weights, or auto "
+    "activations not quantized: on x86 each row as two 7-bit digits through fbgemm), bf16 "
+    "weights, or auto "
     "(int8 on a CPU with fbgemm, bf16 on a GPU that has it)"
 )
