@@ -34,6 +34,9 @@ torch's fused CPU flash backward (``_scaled_dot_product_flash_attention_for_cpu_
 takes an additive ``attn_mask`` too and would run on the same chunk batch and span views,
 but it loops over the chunks one small block at a time and returns per-span dK, dV (to fold
 back); measured, it is about 2× slower than these batched steps at C = 32, so it is not used.
+Keeping P from an unfused forward instead of recomputing it (38 MB at L 4096, W 256, 8
+heads) was slower too: 121 against 104 ms fwd+bwd on a 2-core EPYC, the copy into the store
+and reading P back from memory costing more than a product and a softmax on data in cache.
 
 **Threads.** A large CPU call runs its (batch, kv head) pairs on several Python threads,
 each with its share of torch's threads (one on a 2-core machine) and taking the next heads
