@@ -158,16 +158,17 @@ def spec_model(
         if kind.per_layer:
             overrides[slot] = ref(kind, True)
     override = create_model(f"{prefix}LayerOverride", __base__=LayerOverride, **overrides)
+    override.__reduce__ = _reduce_table  # type: ignore[method-assign]
     fields["model"]["overrides"] = (
         list[override],  # type: ignore[valid-type]
         Field(default_factory=list, description="Per-layer component replacements."),
     )
-    tables = {
+    tables: dict[str, type[BaseModel]] = {
         parent: create_model(f"{prefix}{base.__name__}", __base__=base, **fields[parent])
         for parent, base in PARENTS.items()
         if parent
     }
-    return create_model(
+    root = create_model(
         f"{prefix}Spec",
         __base__=Spec,
         model=(tables["model"], ...),
@@ -176,6 +177,46 @@ def spec_model(
         tokenizer=(tables["tokenizer"], Field(default_factory=tables["tokenizer"])),
         **fields[""],
     )
+    tables[""], tables["overrides"] = root, override
+    for table, cls in tables.items():
+        _TABLES[cls] = (root, table)
+        if table not in ("", "overrides"):
+            cls.__reduce__ = _reduce_table  # type: ignore[method-assign]
+    root.__reduce__ = _reduce_table  # type: ignore[method-assign]
+    _ROOT_TABLES[root] = tables
+    return root
+
+
+#: The classes :func:`spec_model` builds are not importable by name, so pickle (``torch.save``
+#: of a model holding its spec, ``multiprocessing``) cannot find them: their instances pickle
+#: as (key, table, values) and are rebuilt in the spec model of the same kinds.
+_TABLES: dict[type, tuple[type, str]] = {}
+_OTHER_KINDS = (
+    "this spec was saved where other component kinds were installed; "
+    "install the same plugins to load it"
+)
+_ROOT_TABLES: dict[type, dict[str, type[BaseModel]]] = {}
+
+
+def _reduce_table(self: BaseModel) -> tuple[Any, ...]:
+    root, table = _TABLES[type(self)]
+    key = next((k for k, v in _MODELS.items() if v is root), None)
+    if key is None:
+        raise TypeError(f"{type(self).__name__} (a schema's model) cannot be pickled")
+    return _rebuild_table, (key, table, self.model_dump(mode="python", round_trip=True))
+
+
+def _rebuild_table(key: tuple[Any, ...], table: str, values: dict[str, Any]) -> BaseModel:
+    """A spec table from :func:`_reduce_table`: in the spec model of this process's registry,
+    which must declare the same kind sections."""
+    root = _MODELS.get(key)
+    if root is None:
+        from llmkit.registry import get_registry
+
+        root = cached_spec_model(get_registry())
+        if _model_key(get_registry()) != key:
+            raise SpecError([_OTHER_KINDS])
+    return _ROOT_TABLES[root][table].model_validate(values)
 
 
 _MODELS: dict[tuple[Any, ...], type[Spec]] = {}
@@ -183,9 +224,14 @@ _MODELS: dict[tuple[Any, ...], type[Spec]] = {}
 
 def cached_spec_model(registry: Any) -> type[Spec]:
     """:func:`spec_model` with :func:`component_ref`, built once per set of kind sections."""
-    key = tuple(
-        (k.name, k.summary, k.section, k.default, k.per_layer) for k in spec_kinds(registry)
-    )
+    key = _model_key(registry)
     if key not in _MODELS:
         _MODELS[key] = spec_model(registry)
     return _MODELS[key]
+
+
+def _model_key(registry: Any) -> tuple[Any, ...]:
+    """What :func:`spec_model` builds from: each spec kind's name, summary and section."""
+    return tuple(
+        (k.name, k.summary, k.section, k.default, k.per_layer) for k in spec_kinds(registry)
+    )
