@@ -5,27 +5,30 @@ whatever a component builds from ``nn.Linear``) and the output head get int8 wei
 one scale per output channel (symmetric, round to nearest, ``|q| ≤ 127``). The head is the
 largest matrix a decoding step reads (GPT-2 small: 38.6 M of its 124 M weights), so it is
 quantized too. A head tied to the token embedding stays tied: the embedding looks its rows
-up in the head's int8 table (:class:`Int8Embedding`), so no fp32 table is kept (``dynamic``
-keeps a plain int8 copy of fbgemm's packed head for the lookup; the other backends share
-one table). Position embeddings, norms and biases keep their precision;
-``head=False`` leaves the head (and a tied embedding) as it was. Two backends:
+up in the head's int8 table (:class:`Int8Embedding`), so no fp32 table is kept (a head
+packed for fbgemm, ``dynamic`` or ``weight_only``'s :class:`Int8DigitsLinear`, comes with a
+plain int8 copy for the lookup; :class:`Int8Linear` shares one table). Position
+embeddings, norms and biases keep their precision; ``head=False`` leaves the head (and a
+tied embedding) as it was. Two backends:
 
 - ``dynamic`` (CPU, "w8a8-dynamic"): :class:`DynamicInt8Linear`, fbgemm's dynamically
   quantized linear. The *activations* are quantized too, per call, per tensor (7-bit,
   ``reduce_range``, which fbgemm's AVX2 kernels need), and the product runs in int8: not
   weight-only, but 1.6–10× faster than fp32 per product on an AVX2 CPU (the fastest
-  decode here). Packing uses the ``torch.ops.quantized`` operators directly, not the deprecated
-  ``torch.ao.quantization`` workflow.
-- ``weight_only`` (any device): the activations are not quantized to int8. On an x86 CPU
-  with fbgemm, :class:`Int8DigitsLinear`: fbgemm's int8 product, each activation row
-  carried as two 7-bit digits (about 14 bits, finer than bf16 for every element above 1/30
-  of the row's largest), at nearly w8a8's speed: 2.96× transformers' fp32 decode at batch
-  1 and 8 on a 2-core EPYC (docs/benchmarks.md). Elsewhere :class:`Int8Linear` keeps int8
-  weights and computes ``(x @ q.T) · scale`` in the activation's dtype; on a CPU with
-  native bf16 (AVX512-BF16 or AMX) in ``aten._weight_int8pack_mm`` with the activation in
-  bf16, which reads the int8 weight as is. Without either it is no faster than fp32:
-  PyTorch has no fast int8-weight fp32-activation kernel on AVX2 CPUs
-  (``_weight_int8pack_mm`` with fp32 activations streams 1 GB/s).
+  decode here). Packing uses the ``torch.ops.quantized`` operators directly, not the
+  deprecated ``torch.ao.quantization`` workflow.
+- ``weight_only`` (any device): the activations are not quantized to 7 bits. On an x86 CPU
+  with fbgemm, layers of at least :data:`DIGITS_MIN_WEIGHTS` weights become
+  :class:`Int8DigitsLinear` (CPU only): fbgemm's int8 product, each activation row carried
+  as two 7-bit digits (about 14 bits, finer than bf16 for every element above 1/30 of the
+  row's largest; a row with a large outlier loses more), at nearly w8a8's speed: 2.80–2.97×
+  transformers' fp32 decode at batch 1 and 8 on a 2-core EPYC (docs/benchmarks.md).
+  Elsewhere :class:`Int8Linear` keeps int8 weights and computes ``(x @ q.T) · scale`` in the
+  activation's dtype; on a CPU with native bf16 (AVX512-BF16 or AMX) in
+  ``aten._weight_int8pack_mm`` with the activation in bf16, which reads the int8 weight as
+  is. Without either it is no faster than fp32: PyTorch has no fast int8-weight
+  fp32-activation kernel on AVX2 CPUs (``_weight_int8pack_mm`` with fp32 activations
+  streams 1 GB/s).
 
 ``auto`` picks ``dynamic`` for a CPU model where fbgemm works, else ``weight_only``.
 
@@ -165,10 +168,15 @@ class DynamicInt8Linear(nn.Module):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.has_bias = bias is not None
+        self._pack(weight, scale, bias)
+
+    def _pack(self, weight: Tensor, scale: Tensor, bias: Tensor | None) -> None:
         with _quiet():
             zeros = torch.zeros(weight.shape[0], dtype=torch.long)
-            qweight = torch._make_per_channel_quantized_tensor(weight, scale.double(), zeros, 0)
-            b = None if bias is None else bias.detach().float().contiguous()
+            qweight = torch._make_per_channel_quantized_tensor(
+                weight.cpu(), scale.cpu().double(), zeros, 0
+            )
+            b = None if bias is None else bias.detach().cpu().float().contiguous()
             self._packed = torch.ops.quantized.linear_prepack(qweight, b)
 
     @classmethod
@@ -181,6 +189,39 @@ class DynamicInt8Linear(nn.Module):
         with _quiet():
             w, _ = self._packed.unpack()
             return w.int_repr(), w.q_per_channel_scales().float()
+
+    def _packed_bias(self) -> Tensor | None:
+        with _quiet():
+            return self._packed.unpack()[1]
+
+    # The packed weight is opaque to PyTorch: the state dict holds it as Int8Linear does,
+    # ``weight`` (int8) and ``scale`` (fp32), and the bias fbgemm keeps as ``bias``.
+    def _save_to_state_dict(self, destination, prefix, keep_vars):  # type: ignore[no-untyped-def]
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        destination[prefix + "weight"], destination[prefix + "scale"] = self.int8_weight()
+        if self.has_bias:
+            destination[prefix + "bias"] = self._packed_bias()
+
+    def _load_from_state_dict(  # type: ignore[no-untyped-def]
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, errors
+    ):
+        names = ["weight", "scale"] + (["bias"] if self.has_bias else [])
+        keys = [prefix + name for name in names]
+        shapes = [(self.out_features, self.in_features), (self.out_features,), (self.out_features,)]
+        found = [state_dict.get(k) for k in keys]
+        for key, value, shape in zip(keys, found, shapes, strict=False):
+            if value is None:
+                missing_keys.append(key)
+            elif tuple(value.shape) != shape:
+                errors.append(f"size mismatch for {key}: {tuple(value.shape)} here {shape}")
+        if all(v is not None for v in found) and len(errors) == 0:
+            weight, scale = found[0].to(torch.int8), found[1].float()
+            self._pack(weight, scale, found[2] if self.has_bias else None)
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, errors
+        )
+        mine = set(keys)
+        unexpected_keys[:] = [k for k in unexpected_keys if k not in mine]
 
     def forward(self, x: Tensor) -> Tensor:
         y = torch.ops.quantized.linear_dynamic(x.float(), self._packed, True)
@@ -208,6 +249,8 @@ LOW_DIGIT_SCALE = 2 * DIGIT
 #: memory (2-core EPYC), digits against plain: 512×512 93 / 63 µs, 768×768 125 / 109,
 #: 512×2048 131 / 182, 768×3072 197 / 344 (fp32 764).
 DIGITS_MIN_WEIGHTS = 1 << 19
+#: Rows whose largest magnitude is below this are scaled as if it were this.
+_SMALLEST_ROW = DIGIT * torch.finfo(torch.float32).tiny
 
 
 class Int8DigitsLinear(DynamicInt8Linear):
@@ -234,13 +277,13 @@ class Int8DigitsLinear(DynamicInt8Linear):
             return F.linear(x, (w.float() * scale[:, None]).to(x.dtype), bias)
         x2 = x.reshape(-1, self.in_features).float()
         rows = x2.shape[0]
-        # A digit's unit in x's units, per row: m/DIGIT.
-        unit = x2.abs().amax(1, keepdim=True).clamp_(min=1e-30).mul_(1 / DIGIT)
+        # A digit's unit in x's units, per row: m/DIGIT (at least the smallest normal float).
+        unit = x2.abs().amax(1, keepdim=True).clamp_(min=_SMALLEST_ROW).mul_(1 / DIGIT)
         digits = torch.empty(2, rows, self.in_features)
         u = torch.div(x2, unit, out=digits[1])
         hi = torch.round(u, out=digits[0])
         u.sub_(hi).mul_(LOW_DIGIT_SCALE)  # the low digit, rounded by fbgemm
-        out = _DIGITS_PRODUCT(digits.view(2 * rows, -1), 1.0, DIGIT + 1, self._packed)
+        out = _DIGITS_PRODUCT(digits.view(2 * rows, self.in_features), 1.0, DIGIT + 1, self._packed)
         y = torch.add(out[:rows], out[rows:], alpha=1.0 / LOW_DIGIT_SCALE)
         y = y.mul_(unit) if self.bias is None else torch.addcmul(self.bias, y, unit)
         y = y.view(*x.shape[:-1], self.out_features)
@@ -577,7 +620,7 @@ def _convert(linear: nn.Linear, backend: str) -> nn.Module:
 
 
 def _tied_embedding(head: nn.Module, dtype: torch.dtype) -> nn.Module:
-    """The token embedding of a tied head: its own table (bf16, weight-only int8) or an
+    """The token embedding of a tied head: its own table (bf16, :class:`Int8Linear`) or an
     unpacked copy of fbgemm's int8 values (the same numbers)."""
     if isinstance(head, BF16Linear):
         return LowPrecisionEmbedding(head.weight, dtype)
