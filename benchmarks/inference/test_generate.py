@@ -64,7 +64,8 @@ LOW_PRECISION_SPEEDUP = {
 }
 #: bf16 weights are timed only where the CPU multiplies bf16 natively (elsewhere emulated);
 #: int8 weight-only where fbgemm's product or native bf16 runs it (else fp32 products on
-#: dequantized weights).
+#: dequantized weights). In quick mode the layers are under DIGITS_MIN_WEIGHTS: there
+#: weight-only is Int8Linear (bf16 products where the CPU has them).
 LOW_PRECISION = (
     ["llmkit-int8"]
     + (["llmkit-bf16"] if FAST_BF16 else [])
@@ -186,9 +187,10 @@ def test_llmkit_decodes_faster(models):
 @pytest.mark.parametrize("batch", BATCHES)
 @pytest.mark.parametrize("impl", LOW_PRECISION)
 def test_low_precision_decodes_twice_as_fast(models, impl, batch):
-    """Interleaved runs, best of each: int8 decode (fbgemm w8a8-dynamic on CPU) and, where
-    the CPU has fast bf16, bf16-weight decode against transformers fp32; int8 ≥ 2× at GPT-2
-    small (:data:`LOW_PRECISION_SPEEDUP`; docs/benchmarks.md has the figures)."""
+    """Interleaved runs, best of each: int8 decode (fbgemm w8a8-dynamic on CPU), int8
+    weight-only (fbgemm's two digits) and, where the CPU has fast bf16, bf16-weight decode
+    against transformers fp32; both int8s ≥ 2× at GPT-2 small where fbgemm runs them
+    (:data:`LOW_PRECISION_SPEEDUP`; docs/benchmarks.md has the figures)."""
     times = interleaved(models, (impl, "llmkit", "transformers"), batch)
     best = {name: min(t) for name, t in times.items()}
     hf, low, fp32 = best["transformers"], best[impl], best["llmkit"]

@@ -151,7 +151,7 @@ WEIGHTS = ["final", "best", "latest"]
 QUANTIZE = ("int8", "int8-weight-only", "bf16", "auto")
 QUANTIZE_HELP = (
     "int8 (CPU: fbgemm w8a8-dynamic, the fastest decode), int8-weight-only (int8 weights, "
-    "activations not quantized: on x86 each row as two 7-bit digits through fbgemm), bf16 "
-    "weights, or auto "
+    "activations kept at about 14 bits: on x86 each row as two 7-bit digits through fbgemm), "
+    "bf16 weights, or auto "
     "(int8 on a CPU with fbgemm, bf16 on a GPU that has it)"
 )
