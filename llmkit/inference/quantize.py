@@ -214,6 +214,8 @@ class DynamicInt8Linear(nn.Module):
                 missing_keys.append(key)
             elif tuple(value.shape) != shape:
                 errors.append(f"size mismatch for {key}: {tuple(value.shape)} here {shape}")
+            elif key.endswith("weight") and value.dtype != torch.int8:
+                errors.append(f"{key} is {value.dtype}; an int8 layer loads int8 values")
         if all(v is not None for v in found) and len(errors) == 0:
             weight, scale = found[0].to(torch.int8), found[1].float()
             self._pack(weight, scale, found[2] if self.has_bias else None)

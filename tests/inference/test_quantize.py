@@ -217,6 +217,8 @@ def test_fbgemm_layers_keep_their_weights_in_the_state_dict(cls):
         b.load_state_dict({"weight": state["weight"], "bias": state["bias"]})
     with pytest.raises(RuntimeError, match="size mismatch"):
         b.load_state_dict({**state, "scale": state["scale"][:3]})
+    with pytest.raises(RuntimeError, match="loads int8 values"):
+        b.load_state_dict({**state, "weight": state["weight"].float()})
 
 
 @needs_fbgemm
