@@ -150,10 +150,8 @@ class BF16Linear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if self.packed and no_grad_to(x):
             y = _packed_linear(x.to(torch.bfloat16), self.weight).to(x.dtype)
-        elif self.packed:  # oneDNN's packed product has no backward
-            y = F.linear(x.to(torch.bfloat16), self.weight.to_dense()).to(x.dtype)
-        else:
-            y = F.linear(x.to(torch.bfloat16), self.weight).to(x.dtype)
+        else:  # oneDNN's packed product has no backward: the plain weight then
+            y = F.linear(x.to(torch.bfloat16), self.dense_weight()).to(x.dtype)
         return y if self.bias is None else y + self.bias.to(x.dtype)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):  # type: ignore[no-untyped-def]
