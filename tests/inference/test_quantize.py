@@ -27,7 +27,6 @@ from llmkit.inference.quantize import (
     choose_method,
     decode_read_bytes,
     digits_available,
-    dynamic_available,
     int8_mm_available,
     quantize_model,
     weight_bytes,
@@ -37,9 +36,8 @@ from llmkit.runs import TOKENIZER_FILE, save_spec
 from llmkit.runs.checkpoints import WEIGHTS, save_weights
 from llmkit.spec import load_spec_dict
 from tests.helpers import tiny_spec
+from tests.inference.test_int8_linear import needs_digits, needs_fbgemm
 
-needs_fbgemm = pytest.mark.skipif(not dynamic_available(), reason="no fbgemm int8 linear")
-needs_digits = pytest.mark.skipif(not digits_available(), reason="no fbgemm int8 product")
 #: ``weight_only``: the plain int8 weight-only layer (``Int8Linear``, what a CPU without
 #: fbgemm or a GPU gets); ``digits``: the weight_only backend where fbgemm works.
 BACKENDS = [
