@@ -33,14 +33,15 @@ tied embedding) as it was. Two backends:
 ``auto`` picks ``dynamic`` for a CPU model where fbgemm works, else ``weight_only``.
 
 **bf16.** :class:`BF16Linear` stores bf16 weights (half the bytes) and multiplies in bf16;
-the residual stream, norms and logits stay in the model's dtype. On a CPU with native bf16
-the weights are packed in oneDNN's layout (:meth:`BF16Linear.pack`), 1.5–2.2× as fast
-there as ``F.linear`` on plain bf16 weights. Fast only where the hardware multiplies bf16
-natively (CUDA, AVX512-BF16 or AMX CPUs); on an AVX2 CPU bf16 products are emulated and far
-slower than fp32. A tied head shares its bf16 table with the embedding, unless the head is
-packed: the embedding then keeps the plain table. ``method="auto"`` (:func:`choose_method`)
-picks int8 on a CPU with fbgemm (faster than bf16 for decoding even where the CPU has
-AVX512-BF16), bf16 on a CUDA GPU that has it.
+the residual stream, norms and logits stay in the model's dtype. One row (batch-1
+decoding) on a CPU runs ATen's bf16 matrix-vector kernel on the plain weight; on a CPU with
+native bf16 the layers also hold oneDNN's packed copy of their weight for several rows
+(:meth:`BF16Linear.pack`: twice the weight bytes, 1.4–1.8× as fast there as ``F.linear``
+on plain bf16 weights). Fast only where the hardware multiplies bf16 natively (CUDA,
+AVX512-BF16 or AMX CPUs); on an AVX2 CPU bf16 products of several rows are emulated and far
+slower than fp32. A tied head shares its bf16 table with the embedding.
+``method="auto"`` (:func:`choose_method`) picks int8 on a CPU with fbgemm (faster than bf16
+for decoding even where the CPU has AVX512-BF16), bf16 on a CUDA GPU that has it.
 """
 
 from __future__ import annotations
@@ -109,19 +110,25 @@ class BF16Linear(nn.Module):
     """A linear layer with bf16 weights: ``x`` is cast to bf16 for the product and the
     result back to ``x``'s dtype; the bias is added in that dtype.
 
-    :meth:`pack` (which :func:`quantize_model` calls on a CPU with native bf16) replaces the
-    weight by oneDNN's packed (blocked) form of it, the same numbers in the layout its bf16
-    matrix kernels read; there the product runs through ``mkldnn._linear_pointwise``. On a
-    2-core EPYC with AVX512-BF16 that streamed 13–16 GB/s of weights at batch 1 against
-    6.6–8.7 GB/s for ``F.linear`` on the plain bf16 weight (docs/benchmarks.md). The packed
-    weight is opaque: ``state_dict`` saves it plain, ``deepcopy`` and ``.to()`` unpack
-    and pack again, :meth:`dense_weight` gives the plain tensor."""
+    **One row** (a batch-1 decoding step) on a CPU runs ATen's own bf16 matrix-vector
+    kernel on the plain weight (fp32 accumulation), with oneDNN switched off for the call
+    (``torch.backends.mkldnn.enabled``; oneDNN's products read the weight at two thirds of
+    its speed there). On a 2-core EPYC with AVX512-BF16 the 48 products of a GPT-2 small
+    step took 13.6 ms against 18.6 ms packed, 20.5 ms on the plain weight through oneDNN.
+
+    **Several rows.** :meth:`pack` (which :func:`quantize_model` calls on a CPU with native
+    bf16) adds oneDNN's packed (blocked) copy of the weight, :attr:`packed_weight`, which
+    its bf16 matrix kernels read 1.4–1.8× as fast as the plain weight at 2 to 8 rows; the
+    plain weight stays for one row, gradients, ``state_dict`` and a tied embedding, so a
+    packed layer holds its weight twice. The packed copy is opaque: ``deepcopy``,
+    pickling, ``.to()`` and ``load_state_dict`` pack again from the plain weight."""
 
     def __init__(self, weight: Tensor, bias: Tensor | None) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.register_buffer("weight", weight.detach().to(torch.bfloat16).contiguous())
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+        self.packed_weight: Tensor | None = None
 
     @classmethod
     def from_float(cls, linear: nn.Linear) -> BF16Linear:
@@ -129,60 +136,55 @@ class BF16Linear(nn.Module):
 
     @property
     def packed(self) -> bool:
-        """Whether the weight is held in oneDNN's packed form."""
-        return bool(self.weight.is_mkldnn)
+        """Whether the layer holds oneDNN's packed copy of its weight."""
+        return self.packed_weight is not None
 
     def pack(self) -> bool:
-        """Hold the weight in oneDNN's packed form if it is a bf16 CPU tensor and packing
-        works in this PyTorch (:func:`bf16_packing_available`); returns whether it is."""
+        """Add oneDNN's packed copy of the weight if it is a bf16 CPU tensor and packing
+        works in this PyTorch (:func:`bf16_packing_available`); returns whether it did."""
         w = self.weight
-        if self.packed:
-            return True
         if w.device.type != "cpu" or w.dtype != torch.bfloat16 or not bf16_packing_available():
+            self.packed_weight = None
             return False
-        self.weight = _pack_bf16(w)
+        self.packed_weight = _pack_bf16(w)
         return True
 
     def dense_weight(self) -> Tensor:
-        """The weight as a plain (out, in) bf16 tensor (a copy when packed)."""
-        return self.weight.to_dense() if self.packed else self.weight
+        """The weight as a plain (out, in) bf16 tensor."""
+        return self.weight
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.packed and no_grad_to(x):
-            y = _packed_linear(x.to(torch.bfloat16), self.weight).to(x.dtype)
-        else:  # oneDNN's packed product has no backward: the plain weight then
-            y = F.linear(x.to(torch.bfloat16), self.dense_weight()).to(x.dtype)
+        xb = x.to(torch.bfloat16)
+        if not no_grad_to(x):  # the fast products have no backward
+            y = F.linear(xb, self.weight)
+        elif x.numel() == self.in_features and x.device.type == "cpu":
+            y = one_row_bf16_product(xb, self.weight)
+        elif self.packed_weight is not None:
+            y = _packed_linear(xb, self.packed_weight)
+        else:
+            y = F.linear(xb, self.weight)
+        y = y.to(x.dtype)
         return y if self.bias is None else y + self.bias.to(x.dtype)
 
-    def _save_to_state_dict(self, destination, prefix, keep_vars):  # type: ignore[no-untyped-def]
-        super()._save_to_state_dict(destination, prefix, keep_vars)
-        if self.packed:
-            destination[prefix + "weight"] = self.weight.to_dense()
-
     def _load_from_state_dict(self, *args, **kwargs):  # type: ignore[no-untyped-def]
-        packed = self.packed
-        if packed:
-            self.weight = self.weight.to_dense()
         super()._load_from_state_dict(*args, **kwargs)
-        if packed:
+        if self.packed:
             self.pack()
 
     def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
         packed = self.packed
-        if packed:
-            self.weight = self.weight.to_dense()
+        self.packed_weight = None
         out = super()._apply(fn, recurse)
         if packed:
             self.pack()
         return out
 
     def __getstate__(self) -> dict[str, Any]:
-        """For ``copy.deepcopy`` and pickling: a packed weight as its plain tensor (opaque
-        tensors have no storage to copy), packed again by :meth:`__setstate__`."""
+        """For ``copy.deepcopy`` and pickling: without the packed copy (an opaque tensor
+        has no storage to copy), which :meth:`__setstate__` packs again."""
         state = dict(super().__getstate__())
-        if self.packed:
-            state["_buffers"] = {**state["_buffers"], "weight": self.weight.to_dense()}
-            state["_repack"] = True
+        state["packed_weight"] = None
+        state["_repack"] = self.packed
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -194,6 +196,19 @@ class BF16Linear(nn.Module):
     def extra_repr(self) -> str:
         packed = ", packed (oneDNN)" if self.packed else ""
         return f"in_features={self.in_features}, out_features={self.out_features}, bf16{packed}"
+
+
+def one_row_bf16_product(x: Tensor, weight: Tensor) -> Tensor:
+    """``F.linear(x, weight)`` of one bf16 row on a CPU through ATen's matrix-vector kernel:
+    oneDNN is switched off for the call (a process-wide switch: another thread's product
+    during it takes ATen's kernels too, which give the same numbers more slowly)."""
+    mkldnn = torch.backends.mkldnn
+    enabled = mkldnn.enabled
+    mkldnn.enabled = False
+    try:
+        return F.linear(x, weight)
+    finally:
+        mkldnn.enabled = enabled
 
 
 def _pack_bf16(weight: Tensor) -> Tensor:
@@ -359,8 +374,8 @@ def _convert(linear: nn.Linear, backend: str) -> nn.Module:
 
 
 def _tied_embedding(head: nn.Module, dtype: torch.dtype) -> nn.Module:
-    """The token embedding of a tied head: its own table (bf16, :class:`Int8Linear`) or an
-    unpacked copy of fbgemm's int8 values (the same numbers)."""
+    """The token embedding of a tied head: its own table (bf16, :class:`Int8Linear`; plain
+    next to a packed copy) or an unpacked copy of fbgemm's int8 values (the same numbers)."""
     if isinstance(head, BF16Linear):
         return LowPrecisionEmbedding(head.weight, dtype)
     assert isinstance(head, Int8Linear | DynamicInt8Linear)
@@ -368,19 +383,23 @@ def _tied_embedding(head: nn.Module, dtype: torch.dtype) -> nn.Module:
     return Int8Embedding(weight, scale, dtype)
 
 
-def _weight_tensors(model: nn.Module) -> Iterator[tuple[nn.Module, int, int]]:
-    """(module, tensor id, bytes) of every weight a module holds: parameters, the buffers
-    of the quantized modules, and fbgemm's packed weights (one entry each)."""
+def _weight_tensors(model: nn.Module) -> Iterator[tuple[nn.Module, int, int, bool]]:
+    """(module, key, bytes, copy) of every weight a module holds: parameters, the buffers
+    of the quantized modules, fbgemm's packed weights (one entry each, keyed by module)
+    and oneDNN's packed copy of a :class:`BF16Linear`'s weight (``copy``: a second form of
+    a weight counted already, of which a step reads one)."""
     for mod in model.modules():
         for p in mod.parameters(recurse=False):
-            yield mod, id(p), p.numel() * p.element_size()
+            yield mod, id(p), p.numel() * p.element_size(), False
         if isinstance(mod, Int8Linear | BF16Linear | Int8Embedding | LowPrecisionEmbedding):
             for b in mod.buffers(recurse=False):
-                yield mod, id(b), b.numel() * b.element_size()
+                yield mod, id(b), b.numel() * b.element_size(), False
+        if isinstance(mod, BF16Linear) and mod.packed:
+            yield mod, id(mod), mod.weight.numel() * mod.weight.element_size(), True
         elif isinstance(mod, DynamicInt8Linear):
-            yield mod, id(mod), mod.weight_nbytes()
+            yield mod, id(mod), mod.weight_nbytes(), False
         elif _is_legacy_dynamic(mod):
-            yield mod, id(mod), _legacy_dynamic_nbytes(mod)
+            yield mod, id(mod), _legacy_dynamic_nbytes(mod), False
 
 
 def _legacy_dynamic_nbytes(mod: nn.Module) -> int:
@@ -399,7 +418,7 @@ def weight_bytes(model: nn.Module) -> int:
     """Bytes of the model's weights as stored: unique parameters, plus the int8 or bf16
     weights and per-channel data of converted layers (buffers such as rotary tables, which
     are recomputed rather than loaded, are not counted)."""
-    sizes = {key: n for _, key, n in _weight_tensors(model)}
+    sizes = {key: n for _, key, n, _ in _weight_tensors(model)}
     return sum(sizes.values())
 
 
@@ -410,8 +429,8 @@ def decode_read_bytes(model: nn.Module) -> int:
     cache and activations are not included."""
     sizes: dict[int, int] = {}
     read: set[int] = set()
-    for mod, key, n in _weight_tensors(model):
+    for mod, key, n, copy_ in _weight_tensors(model):
         sizes[key] = n
-        if not isinstance(mod, LOOKUPS):
+        if not isinstance(mod, LOOKUPS) and not copy_:
             read.add(key)
     return sum(sizes[k] for k in read)

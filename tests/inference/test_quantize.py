@@ -127,6 +127,44 @@ def test_bf16_linear_multiplies_in_bf16_and_returns_the_input_dtype():
 needs_packing = pytest.mark.skipif(not bf16_packing_available(), reason="no oneDNN bf16 packing")
 
 
+def test_one_row_bf16_product_is_linear_with_onednn_switched_back_on():
+    torch.manual_seed(0)
+    w, x = torch.randn(300, 96).bfloat16(), torch.randn(1, 96).bfloat16()
+    want = F.linear(x.double(), w.double())  # exact products of the bf16 values
+    got = quantize_module.one_row_bf16_product(x, w)
+    assert got.dtype == torch.bfloat16 and got.shape == (1, 300)
+    torch.testing.assert_close(got.double(), want, rtol=8e-3, atol=1e-2)  # bf16 result
+    assert torch.backends.mkldnn.enabled
+    with pytest.raises(RuntimeError):
+        quantize_module.one_row_bf16_product(x, w.t())  # mismatched shapes
+    assert torch.backends.mkldnn.enabled  # restored after an error too
+
+
+@pytest.mark.parametrize("packed", [False, pytest.param(True, marks=needs_packing)])
+def test_bf16_linear_takes_the_one_row_product_for_one_row_only(packed, monkeypatch):
+    torch.manual_seed(0)
+    b = BF16Linear.from_float(nn.Linear(40, 24))
+    if packed:
+        assert b.pack()
+    rows: list[int] = []
+    real = quantize_module.one_row_bf16_product
+
+    def spy(x, w):
+        rows.append(x.shape[0])
+        return real(x, w)
+
+    monkeypatch.setattr(quantize_module, "one_row_bf16_product", spy)
+    with torch.no_grad():
+        for shape in [(1, 40), (1, 1, 40), (3, 40)]:
+            x = torch.randn(shape)
+            want = F.linear(x.bfloat16(), b.weight).float() + b.bias
+            torch.testing.assert_close(b(x), want, rtol=1e-2, atol=1e-2)
+    assert rows == [1, 1]  # the third call has three rows
+    x = torch.randn(1, 40, requires_grad=True)
+    b(x).sum().backward()  # a gradient takes the plain product
+    assert rows == [1, 1] and x.grad is not None
+
+
 @needs_packing
 def test_packed_bf16_linear_gives_the_same_products_and_stays_a_plain_module():
     import copy
@@ -134,7 +172,8 @@ def test_packed_bf16_linear_gives_the_same_products_and_stays_a_plain_module():
     torch.manual_seed(0)
     lin = nn.Linear(40, 24)
     plain, b = BF16Linear.from_float(lin), BF16Linear.from_float(lin)
-    assert b.pack() and b.packed and b.weight.is_mkldnn and not plain.packed
+    assert b.pack() and b.packed and b.packed_weight.is_mkldnn and not plain.packed
+    assert not b.weight.is_mkldnn and torch.equal(b.weight, plain.weight)  # kept for one row
     assert "packed" in repr(b) and torch.equal(b.dense_weight(), plain.weight)
     for shape in [(1, 40), (8, 40), (2, 5, 40)]:
         x = torch.randn(shape)
@@ -146,6 +185,7 @@ def test_packed_bf16_linear_gives_the_same_products_and_stays_a_plain_module():
     assert not state["weight"].is_mkldnn and torch.equal(state["weight"], plain.weight)
     twin = copy.deepcopy(b)
     assert twin.packed and twin.weight is not b.weight
+    assert twin.packed_weight is not None and twin.packed_weight is not b.packed_weight
     assert torch.equal(twin.dense_weight(), plain.weight)
     moved = b.to("cpu")
     assert moved.packed
@@ -220,10 +260,7 @@ def test_a_tied_head_is_converted_and_the_embedding_looks_up_its_table(backend, 
     if backend == "bf16":
         assert isinstance(q.tok_emb, LowPrecisionEmbedding)
         assert all(m.packed is packed for m in q.modules() if isinstance(m, BF16Linear))
-        if packed:  # the embedding keeps the plain table, the head its packed copy
-            assert torch.equal(q.tok_emb.weight, q.lm_head.dense_weight())
-        else:
-            assert q.tok_emb.weight is q.lm_head.weight
+        assert q.tok_emb.weight is q.lm_head.weight  # one plain table (and a packed copy)
         torch.testing.assert_close(emb, model.tok_emb.weight.bfloat16().float()[idx])
     else:
         assert isinstance(q.tok_emb, Int8Embedding)
@@ -240,7 +277,8 @@ def test_a_tied_head_is_converted_and_the_embedding_looks_up_its_table(backend, 
     weights = sum(m.weight.numel() for m in lins if m is not model.lm_head) + table
     channels = sum(m.out_features for m in lins)
     if backend == "bf16":
-        assert fp32 - small == 2 * weights - (2 * table if packed else 0)
+        # 4 bytes → 2 per weight; a packed layer holds oneDNN's copy too (2 more)
+        assert fp32 - small == (0 if packed else 2 * weights)
     elif backend == "weight_only":  # 4 bytes → 1 per weight, plus one fp32 scale a row
         assert fp32 - small == 3 * weights - 4 * channels
     else:  # fbgemm's per-channel data; the embedding's int8 copy of the table and scales
@@ -357,7 +395,10 @@ def test_cli_eval_reports_both_sizes_and_perplexities(tmp_path, capsys):
         assert cli.main([*argv[:-4], "--quantize", method, "--json", "--no-save"]) == 0
         out = json.loads(capsys.readouterr().out)[method]
         assert out["backend"] == ("bf16" if method == "bf16" else "weight_only")
-        assert out["weight_bytes"] < report["weight_bytes"]
+        if method == "bf16" and out["weight_bytes"] == report["weight_bytes"]:
+            assert hardware.cpu_has_fast_bf16()  # packed: plain and oneDNN's copy, 2 + 2 bytes
+        else:
+            assert out["weight_bytes"] < report["weight_bytes"]
         assert abs(out["loss"] - report["loss"]) < 0.05
     for quantize in ("int8", "int8-weight-only", "bf16", "auto"):
         gen = Generator(str(tmp_path), quantize=quantize)
