@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -202,15 +203,20 @@ class BF16Linear(nn.Module):
 
 def one_row_bf16_product(x: Tensor, weight: Tensor) -> Tensor:
     """``F.linear(x, weight)`` of one bf16 row on a CPU through ATen's matrix-vector kernel:
-    oneDNN is switched off for the call (a process-wide switch: another thread's product
-    during it takes ATen's kernels too, which give the same numbers more slowly)."""
+    oneDNN is switched off for the call. The switch is process-wide: these calls take turns
+    (so that one thread cannot restore another's "off"), and another thread's product
+    during one takes ATen's kernels too: a correct product, perhaps a slower one."""
     mkldnn = torch.backends.mkldnn
-    enabled = mkldnn.enabled
-    mkldnn.enabled = False
-    try:
-        return F.linear(x, weight)
-    finally:
-        mkldnn.enabled = enabled
+    with _MKLDNN_SWITCH:
+        enabled = mkldnn.enabled
+        mkldnn.enabled = False
+        try:
+            return F.linear(x, weight)
+        finally:
+            mkldnn.enabled = enabled
+
+
+_MKLDNN_SWITCH = threading.Lock()
 
 
 def _pack_bf16(weight: Tensor) -> Tensor:

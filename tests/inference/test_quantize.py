@@ -403,3 +403,21 @@ def test_cli_eval_reports_both_sizes_and_perplexities(tmp_path, capsys):
     for quantize in ("int8", "int8-weight-only", "bf16", "auto"):
         gen = Generator(str(tmp_path), quantize=quantize)
         assert gen.generate("he", max_new_tokens=3)[0].ids
+
+
+def test_one_row_products_on_threads_leave_onednn_switched_on():
+    from concurrent.futures import ThreadPoolExecutor
+
+    torch.manual_seed(0)
+    w, x = torch.randn(64, 32).bfloat16(), torch.randn(1, 32).bfloat16()
+    want = quantize_module.one_row_bf16_product(x, w)
+    with ThreadPoolExecutor(4) as pool:
+        outs = list(pool.map(lambda _: quantize_module.one_row_bf16_product(x, w), range(400)))
+    assert all(torch.equal(o, want) for o in outs)
+    assert torch.backends.mkldnn.enabled
+    torch.backends.mkldnn.enabled = False  # a user's own "off" is kept
+    try:
+        quantize_module.one_row_bf16_product(x, w)
+        assert not torch.backends.mkldnn.enabled
+    finally:
+        torch.backends.mkldnn.enabled = True
