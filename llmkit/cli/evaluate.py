@@ -252,7 +252,7 @@ def _compare_quantized(
 ) -> dict[str, Any]:
     """Evaluate the ``method``-quantized model, print both side by side; the report's
     additions (``weight_bytes`` and the quantized results under ``method``)."""
-    from llmkit.inference.quantize import quantize_model, weight_bytes
+    from llmkit.inference.quantize import BF16Linear, quantize_model, weight_bytes
 
     try:
         qmodel = quantize_model(run.model, method)
@@ -267,10 +267,12 @@ def _compare_quantized(
         bpb = f"{r.bits_per_byte:.4f}" if r.bits_per_byte is not None else "-"
         out.add_row(name, human_bytes(nbytes), f"{r.loss:.4f}", f"{r.ppl:.3f}", bpb)
     con.print(out)
+    twice = any(isinstance(m, BF16Linear) and m.packed for m in qmodel.modules())
     con.print(
         f"{method} ({info.backend}, {info.linears} linear layers): weights "
         f"{base_bytes / max(q_bytes, 1):.2f}× smaller, loss {qres.loss - res.loss:+.5f} "
-        f"nats/token, perplexity {100 * (qres.ppl / res.ppl - 1):+.2f}%",
+        f"nats/token, perplexity {100 * (qres.ppl / res.ppl - 1):+.2f}%"
+        + ("; the bf16 layers hold their weights twice, plain and packed for oneDNN" * twice),
         markup=False,
     )
     return {
