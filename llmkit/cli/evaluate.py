@@ -268,11 +268,11 @@ def _compare_quantized(
         out.add_row(name, human_bytes(nbytes), f"{r.loss:.4f}", f"{r.ppl:.3f}", bpb)
     con.print(out)
     twice = any(isinstance(m, BF16Linear) and m.packed for m in qmodel.modules())
+    note = "; the bf16 layers hold their weights twice, plain and packed for oneDNN"
     con.print(
         f"{method} ({info.backend}, {info.linears} linear layers): weights "
         f"{base_bytes / max(q_bytes, 1):.2f}× smaller, loss {qres.loss - res.loss:+.5f} "
-        f"nats/token, perplexity {100 * (qres.ppl / res.ppl - 1):+.2f}%"
-        + ("; the bf16 layers hold their weights twice, plain and packed for oneDNN" * twice),
+        f"nats/token, perplexity {100 * (qres.ppl / res.ppl - 1):+.2f}%" + (note if twice else ""),
         markup=False,
     )
     return {

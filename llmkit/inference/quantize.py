@@ -32,14 +32,14 @@ tied embedding) as it was. Two backends:
 
 ``auto`` picks ``dynamic`` for a CPU model where fbgemm works, else ``weight_only``.
 
-**bf16.** :class:`BF16Linear` stores bf16 weights (half the bytes) and multiplies in bf16;
-the residual stream, norms and logits stay in the model's dtype. One row (batch-1
-decoding) on a CPU runs ATen's bf16 matrix-vector kernel on the plain weight; on a CPU with
-native bf16 the layers also hold oneDNN's packed copy of their weight for several rows
-(:meth:`BF16Linear.pack`: twice the weight bytes, 1.4–1.8× as fast there as ``F.linear``
-on plain bf16 weights). Fast only where the hardware multiplies bf16 natively (CUDA,
-AVX512-BF16 or AMX CPUs); on an AVX2 CPU bf16 products of several rows are emulated and far
-slower than fp32. A tied head shares its bf16 table with the embedding.
+**bf16.** :class:`BF16Linear` stores bf16 weights (half fp32's bytes, unless also packed,
+below) and multiplies in bf16; the residual stream, norms and logits stay in the model's
+dtype. One row (batch-1 decoding) on a CPU runs ATen's bf16 matrix-vector kernel on the
+plain weight; on a CPU with native bf16 the layers also hold oneDNN's packed copy of their
+weight for several rows (:meth:`BF16Linear.pack`: twice the weight bytes, 1.4–1.8× as fast
+there as ``F.linear`` on plain bf16 weights). Fast only where the hardware multiplies bf16
+natively (CUDA, AVX512-BF16 or AMX CPUs); on an AVX2 CPU bf16 products of several rows are
+emulated and far slower than fp32. A tied head shares its bf16 table with the embedding.
 ``method="auto"`` (:func:`choose_method`) picks int8 on a CPU with fbgemm (faster than bf16
 for decoding even where the CPU has AVX512-BF16), bf16 on a CUDA GPU that has it.
 """
@@ -114,15 +114,18 @@ class BF16Linear(nn.Module):
     **One row** (a batch-1 decoding step) on a CPU runs ATen's own bf16 matrix-vector
     kernel on the plain weight (fp32 accumulation), with oneDNN switched off for the call
     (``torch.backends.mkldnn.enabled``; oneDNN's products read the weight at two thirds of
-    its speed there). On a 2-core EPYC with AVX512-BF16 the 48 products of a GPT-2 small
-    step took 13.6 ms against 18.6 ms packed, 20.5 ms on the plain weight through oneDNN.
+    its speed there). On a 2-core EPYC with AVX512-BF16 the 49 products of a GPT-2 small
+    step (the head's included) took 13.6 ms against 18.6 ms packed; the 48 of the layers
+    9.7 ms against 13.3 ms packed and 20.5 ms on the plain weight through oneDNN.
 
     **Several rows.** :meth:`pack` (which :func:`quantize_model` calls on a CPU with native
     bf16) adds oneDNN's packed (blocked) copy of the weight, :attr:`packed_weight`, which
     its bf16 matrix kernels read 1.4–1.8× as fast as the plain weight at 2 to 8 rows; the
     plain weight stays for one row, gradients, ``state_dict`` and a tied embedding, so a
     packed layer holds its weight twice. The packed copy is opaque: ``deepcopy``,
-    pickling, ``.to()`` and ``load_state_dict`` pack again from the plain weight."""
+    pickling, ``.to()`` and ``load_state_dict`` pack again from the plain weight, and so
+    does a product after the plain weight was written or replaced. Casting the layer to
+    another float dtype (``.float()``, ``.half()``) is not supported: it stores bf16."""
 
     def __init__(self, weight: Tensor, bias: Tensor | None) -> None:
         super().__init__()
@@ -130,6 +133,7 @@ class BF16Linear(nn.Module):
         self.register_buffer("weight", weight.detach().to(torch.bfloat16).contiguous())
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
         self.packed_weight: Tensor | None = None
+        self._packed_of: tuple[int, int] | None = None  # the weight's (data_ptr, _version)
 
     @classmethod
     def from_float(cls, linear: nn.Linear) -> BF16Linear:
@@ -145,10 +149,18 @@ class BF16Linear(nn.Module):
         works in this PyTorch (:func:`bf16_packing_available`); returns whether it did."""
         w = self.weight
         if w.device.type != "cpu" or w.dtype != torch.bfloat16 or not bf16_packing_available():
-            self.packed_weight = None
+            self.packed_weight = self._packed_of = None
             return False
-        self.packed_weight = _pack_bf16(w)
+        self.packed_weight, self._packed_of = _pack_bf16(w), (w.data_ptr(), w._version)
         return True
+
+    def _fresh_packed(self) -> Tensor:
+        """The packed copy, packed again if the plain weight was written or replaced."""
+        w = self.weight
+        if self._packed_of != (w.data_ptr(), w._version):
+            self.pack()
+        assert self.packed_weight is not None
+        return self.packed_weight
 
     def dense_weight(self) -> Tensor:
         """The weight as a plain (out, in) bf16 tensor."""
@@ -161,13 +173,14 @@ class BF16Linear(nn.Module):
         elif x.numel() == self.in_features and x.device.type == "cpu":
             y = one_row_bf16_product(xb, self.weight)
         elif self.packed_weight is not None:
-            y = _packed_linear(xb, self.packed_weight)
+            y = _packed_linear(xb, self._fresh_packed())
         else:
             y = F.linear(xb, self.weight)
         if self.bias is None:
             return y.to(x.dtype)
         bias = self.bias if self.bias.dtype == x.dtype else self.bias.to(x.dtype)
-        return torch.add(bias, y)  # widened inside the add: one op, the same numbers
+        out = torch.add(bias, y)  # y widened inside the add: one op, the same numbers
+        return out if out.dtype == x.dtype else out.to(x.dtype)  # fp16 + bf16 → fp32
 
     def _load_from_state_dict(self, *args, **kwargs):  # type: ignore[no-untyped-def]
         super()._load_from_state_dict(*args, **kwargs)
@@ -186,12 +199,14 @@ class BF16Linear(nn.Module):
         """For ``copy.deepcopy`` and pickling: without the packed copy (an opaque tensor
         has no storage to copy), which :meth:`__setstate__` packs again."""
         state = dict(super().__getstate__())
-        state["packed_weight"] = None
+        state["packed_weight"] = state["_packed_of"] = None
         state["_repack"] = self.packed
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         repack = state.pop("_repack", False)
+        state.setdefault("packed_weight", None)  # pickled before the packed copy existed
+        state.setdefault("_packed_of", None)
         super().__setstate__(state)
         if repack:
             self.pack()
@@ -209,14 +224,16 @@ def one_row_bf16_product(x: Tensor, weight: Tensor) -> Tensor:
     mkldnn = torch.backends.mkldnn
     with _MKLDNN_SWITCH:
         enabled = mkldnn.enabled
-        mkldnn.enabled = False
         try:
+            mkldnn.enabled = False
             return F.linear(x, weight)
         finally:
             mkldnn.enabled = enabled
 
 
-_MKLDNN_SWITCH = threading.Lock()
+#: Re-entrant: a product that runs another BF16Linear inside (a torch function mode) does
+#: not deadlock; the inner call restores the outer one's "off", the outer one the original.
+_MKLDNN_SWITCH = threading.RLock()
 
 
 def _pack_bf16(weight: Tensor) -> Tensor:
@@ -269,9 +286,9 @@ def choose_method(device: torch.device | str = "cpu", backend: str = "auto") -> 
     int8.
 
     On a 2-core EPYC with AVX512-BF16 (docs/benchmarks.md), GPT-2 small greedy decode against
-    transformers fp32: int8 3.81–3.87× at batch 1 and 3.87–4.94× at batch 8, packed bf16
-    weights 1.70–1.81× and 3.11–3.28× (oneDNN's packed bf16 matrix–vector product streams
-    10–15 GB/s of weights there, about fp32's rate)."""
+    transformers fp32: int8 3.81–3.87× at batch 1 and 3.87–4.94× at batch 8, bf16 weights
+    2.30–2.41× at batch 1 (ATen's matrix-vector kernel, 17–18 GB/s of weights) and
+    2.70–3.28× at batch 8 (oneDNN's packed copy), int8 weight-only 2.80–2.96×."""
     device = torch.device(device)
     if device.type == "cuda":
         return "bf16" if torch.cuda.is_bf16_supported() else "int8"

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
+from torch import Tensor, nn
 
 from llmkit import cli, hardware
 from llmkit.data.tokenizer import train_char
@@ -127,12 +127,24 @@ def test_bf16_linear_multiplies_in_bf16_and_returns_the_input_dtype():
 needs_packing = pytest.mark.skipif(not bf16_packing_available(), reason="no oneDNN bf16 packing")
 
 
-def test_one_row_bf16_product_is_linear_with_onednn_switched_back_on():
+def test_one_row_bf16_product_is_linear_with_onednn_switched_back_on(monkeypatch):
     torch.manual_seed(0)
     w, x = torch.randn(300, 96).bfloat16(), torch.randn(1, 96).bfloat16()
     want = F.linear(x.double(), w.double())  # exact products of the bf16 values
     got = quantize_module.one_row_bf16_product(x, w)
     assert got.dtype == torch.bfloat16 and got.shape == (1, 300)
+    seen = []
+
+    class Stub:  # records the switch during the product
+        @staticmethod
+        def linear(*args):
+            seen.append(torch.backends.mkldnn.enabled)
+            return F.linear(*args)
+
+    monkeypatch.setattr(quantize_module, "F", Stub)
+    quantize_module.one_row_bf16_product(x, w)
+    assert seen == [False]
+    monkeypatch.undo()
     torch.testing.assert_close(got.double(), want, rtol=8e-3, atol=1e-2)  # bf16 result
     assert torch.backends.mkldnn.enabled
     with pytest.raises(RuntimeError):
@@ -150,19 +162,27 @@ def test_bf16_linear_takes_the_one_row_product_for_one_row_only(packed, monkeypa
     real = quantize_module.one_row_bf16_product
 
     def spy(x, w):
-        rows.append(x.shape[0])
+        rows.append(x.numel() // x.shape[-1])
         return real(x, w)
 
     monkeypatch.setattr(quantize_module, "one_row_bf16_product", spy)
     with torch.no_grad():
-        for shape in [(1, 40), (1, 1, 40), (3, 40)]:
+        for shape in [(1, 40), (1, 1, 40), (40,), (3, 40), (1, 3, 40)]:
             x = torch.randn(shape)
             want = F.linear(x.bfloat16(), b.weight).float() + b.bias
             torch.testing.assert_close(b(x), want, rtol=1e-2, atol=1e-2)
-    assert rows == [1, 1]  # the third call has three rows
+    assert rows == [1, 1, 1]  # not the three-row calls (a batch-1 prefill among them)
     x = torch.randn(1, 40, requires_grad=True)
     b(x).sum().backward()  # a gradient takes the plain product
-    assert rows == [1, 1] and x.grad is not None
+    assert rows == [1, 1, 1] and x.grad is not None
+
+
+def _several_rows_match(layer: BF16Linear, weight: Tensor, bias: Tensor) -> None:
+    """Three rows (the packed product where there is one) give F.linear of these weights."""
+    x = torch.randn(3, layer.in_features)
+    with torch.no_grad():
+        want = F.linear(x.bfloat16(), weight.bfloat16()).float() + bias
+        torch.testing.assert_close(layer(x), want, rtol=1e-2, atol=1e-2)
 
 
 @needs_packing
@@ -182,17 +202,20 @@ def test_packed_bf16_linear_gives_the_same_products_and_stays_a_plain_module():
         assert got.shape == want.shape and got.dtype == torch.float32
         torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)  # bf16 products
     state = b.state_dict()
-    assert not state["weight"].is_mkldnn and torch.equal(state["weight"], plain.weight)
+    assert list(state) == ["bias", "weight"] and not state["weight"].is_mkldnn
+    assert torch.equal(state["weight"], plain.weight)
     twin = copy.deepcopy(b)
     assert twin.packed and twin.weight is not b.weight
     assert twin.packed_weight is not None and twin.packed_weight is not b.packed_weight
-    assert torch.equal(twin.dense_weight(), plain.weight)
+    _several_rows_match(twin, lin.weight, lin.bias)
     moved = b.to("cpu")
     assert moved.packed
+    _several_rows_match(moved, lin.weight, lin.bias)
     other = BF16Linear.from_float(nn.Linear(40, 24))
     other.pack()
-    other.load_state_dict(plain.state_dict())
-    assert other.packed and torch.equal(other.dense_weight(), plain.weight)
+    other.load_state_dict(plain.state_dict())  # the packed copy follows the new weights
+    assert other.packed
+    _several_rows_match(other, lin.weight, lin.bias)
     fp = BF16Linear.from_float(lin)
     fp.weight = fp.weight.float()  # only bf16 weights are packed
     assert not fp.pack() and not fp.packed
@@ -200,7 +223,46 @@ def test_packed_bf16_linear_gives_the_same_products_and_stays_a_plain_module():
     torch.save(b, buf)  # pickled plain, packed again on load
     buf.seek(0)
     loaded = torch.load(buf, weights_only=False)
-    assert loaded.packed and torch.equal(loaded.dense_weight(), plain.weight)
+    assert loaded.packed
+    _several_rows_match(loaded, lin.weight, lin.bias)
+
+
+@needs_packing
+def test_the_packed_copy_follows_writes_to_the_plain_weight():
+    torch.manual_seed(0)
+    lin, new = nn.Linear(40, 24), torch.randn(24, 40)
+    b = BF16Linear.from_float(lin)
+    assert b.pack()
+    _several_rows_match(b, lin.weight, lin.bias)
+    with torch.no_grad():
+        b.weight.copy_(new.bfloat16())  # in place, as a tied embedding's owner might
+    _several_rows_match(b, new, lin.bias)
+    b.weight = (2 * new).bfloat16()  # replaced
+    _several_rows_match(b, 2 * new, lin.bias)
+    assert b.packed
+
+
+def test_bf16_linear_returns_each_input_dtype_with_and_without_a_bias():
+    torch.manual_seed(0)
+    lin = nn.Linear(40, 24)
+    for bias in (True, False):
+        b = BF16Linear(lin.weight, lin.bias if bias else None)
+        for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
+            for shape in [(40,), (1, 40), (3, 40), (0, 40)]:
+                with torch.no_grad():
+                    y = b(torch.randn(shape, dtype=dtype))
+                assert y.dtype == dtype and y.shape == (*shape[:-1], 24)
+
+
+def test_a_layer_pickled_before_the_packed_copy_existed_still_runs():
+    b = BF16Linear.from_float(nn.Linear(40, 24))
+    state = b.__getstate__()
+    for key in ("packed_weight", "_packed_of", "_repack"):
+        state.pop(key)  # what an older llmkit pickled
+    old = BF16Linear.__new__(BF16Linear)
+    old.__setstate__(state)
+    with torch.no_grad():
+        torch.testing.assert_close(old(torch.ones(2, 40)), b(torch.ones(2, 40)))
 
 
 @pytest.mark.parametrize("packed", [False, pytest.param(True, marks=needs_packing)])
@@ -277,8 +339,10 @@ def test_a_tied_head_is_converted_and_the_embedding_looks_up_its_table(backend, 
     weights = sum(m.weight.numel() for m in lins if m is not model.lm_head) + table
     channels = sum(m.out_features for m in lins)
     if backend == "bf16":
-        # 4 bytes → 2 per weight; a packed layer holds oneDNN's copy too (2 more)
+        # 4 bytes → 2 per weight; a packed layer holds oneDNN's copy too (2 more), of
+        # which a decoding step reads one form
         assert fp32 - small == (0 if packed else 2 * weights)
+        assert small - decode_read_bytes(q) == (2 * weights if packed else 0)
     elif backend == "weight_only":  # 4 bytes → 1 per weight, plus one fp32 scale a row
         assert fp32 - small == 3 * weights - 4 * channels
     else:  # fbgemm's per-channel data; the embedding's int8 copy of the table and scales
