@@ -441,8 +441,9 @@ def _legacy_dynamic_nbytes(mod: nn.Module) -> int:
 
 def weight_bytes(model: nn.Module) -> int:
     """Bytes of the model's weights as stored: unique parameters, plus the int8 or bf16
-    weights and per-channel data of converted layers (buffers such as rotary tables, which
-    are recomputed rather than loaded, are not counted)."""
+    weights and per-channel data of converted layers, a packed :class:`BF16Linear`'s
+    oneDNN copy included (buffers such as rotary tables, which are recomputed rather than
+    loaded, are not counted)."""
     sizes = {key: n for _, key, n, _ in _weight_tensors(model)}
     return sum(sizes.values())
 
@@ -450,8 +451,9 @@ def weight_bytes(model: nn.Module) -> int:
 def decode_read_bytes(model: nn.Module) -> int:
     """Weight bytes one decoding step reads: every weight counted by :func:`weight_bytes`
     except tables that are only looked up (token and position embeddings: a step reads a
-    few rows of them). A tied fp32 head's table counts (the head reads all of it). The KV
-    cache and activations are not included."""
+    few rows of them) and the second form of a packed :class:`BF16Linear`'s weight (a step
+    reads one). A tied fp32 head's table counts (the head reads all of it). The KV cache and
+    activations are not included."""
     sizes: dict[int, int] = {}
     read: set[int] = set()
     for mod, key, n, copy_ in _weight_tensors(model):
