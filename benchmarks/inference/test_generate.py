@@ -53,8 +53,8 @@ ROUNDS = int(os.environ.get("LLMKIT_BENCH_ROUNDS", "0")) or (2 if FULL else 5)
 #: Decode ÷ transformers fp32 that test_low_precision_decodes_twice_as_fast requires: the
 #: issue's 2× at GPT-2 small for int8 (what ``quantize = "auto"`` picks on a CPU), for int8
 #: weight-only on fbgemm (measured on an AVX512-BF16 EPYC: 2.83–2.96× at batch 1) and for
-#: bf16 weights where the CPU has fast bf16 (there 2.30–2.41× at batch 1, best of 2, with
-#: ATen's one-row product; 2.70–2.97× at batch 8; docs/benchmarks.md); at the quick size
+#: bf16 weights where the CPU has fast bf16 (there 2.20–2.41× at batch 1, best of 2, with
+#: ATen's one-row product; 2.49–2.98× at batch 8; docs/benchmarks.md); at the quick size
 #: (overhead-bound) all only faster.
 FAST_BF16 = cpu_has_fast_bf16()
 DIGITS = digits_available()

@@ -287,8 +287,8 @@ def choose_method(device: torch.device | str = "cpu", backend: str = "auto") -> 
 
     On a 2-core EPYC with AVX512-BF16 (docs/benchmarks.md), GPT-2 small greedy decode against
     transformers fp32: int8 3.81–3.87× at batch 1 and 3.87–4.94× at batch 8, bf16 weights
-    2.30–2.41× at batch 1 (ATen's matrix-vector kernel, 17–18 GB/s of weights) and
-    2.70–3.28× at batch 8 (oneDNN's packed copy), int8 weight-only 2.80–2.96×."""
+    2.20–2.41× at batch 1 (ATen's matrix-vector kernel, 17–18 GB/s of weights) and
+    2.49–3.28× at batch 8 (oneDNN's packed copy), int8 weight-only 2.80–2.96×."""
     device = torch.device(device)
     if device.type == "cuda":
         return "bf16" if torch.cuda.is_bf16_supported() else "int8"
