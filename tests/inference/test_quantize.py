@@ -133,6 +133,7 @@ def test_one_row_bf16_product_is_linear_with_onednn_switched_back_on(monkeypatch
     want = F.linear(x.double(), w.double())  # exact products of the bf16 values
     got = quantize_module.one_row_bf16_product(x, w)
     assert got.dtype == torch.bfloat16 and got.shape == (1, 300)
+    torch.testing.assert_close(got.double(), want, rtol=8e-3, atol=1e-2)  # bf16 result
     seen = []
 
     class Stub:  # records the switch during the product
@@ -145,7 +146,6 @@ def test_one_row_bf16_product_is_linear_with_onednn_switched_back_on(monkeypatch
     quantize_module.one_row_bf16_product(x, w)
     assert seen == [False]
     monkeypatch.undo()
-    torch.testing.assert_close(got.double(), want, rtol=8e-3, atol=1e-2)  # bf16 result
     assert torch.backends.mkldnn.enabled
     with pytest.raises(RuntimeError):
         quantize_module.one_row_bf16_product(x, w.t())  # mismatched shapes
@@ -175,6 +175,24 @@ def test_bf16_linear_takes_the_one_row_product_for_one_row_only(packed, monkeypa
     x = torch.randn(1, 40, requires_grad=True)
     b(x).sum().backward()  # a gradient takes the plain product
     assert rows == [1, 1, 1] and x.grad is not None
+
+
+def test_one_row_products_on_threads_leave_onednn_switched_on():
+    from concurrent.futures import ThreadPoolExecutor
+
+    torch.manual_seed(0)
+    w, x = torch.randn(64, 32).bfloat16(), torch.randn(1, 32).bfloat16()
+    want = quantize_module.one_row_bf16_product(x, w)
+    with ThreadPoolExecutor(4) as pool:
+        outs = list(pool.map(lambda _: quantize_module.one_row_bf16_product(x, w), range(400)))
+    assert all(torch.equal(o, want) for o in outs)
+    assert torch.backends.mkldnn.enabled
+    torch.backends.mkldnn.enabled = False  # a user's own "off" is kept
+    try:
+        quantize_module.one_row_bf16_product(x, w)
+        assert not torch.backends.mkldnn.enabled
+    finally:
+        torch.backends.mkldnn.enabled = True
 
 
 def _several_rows_match(layer: BF16Linear, weight: Tensor, bias: Tensor) -> None:
@@ -469,21 +487,3 @@ def test_cli_eval_reports_both_sizes_and_perplexities(tmp_path, capsys):
     for quantize in ("int8", "int8-weight-only", "bf16", "auto"):
         gen = Generator(str(tmp_path), quantize=quantize)
         assert gen.generate("he", max_new_tokens=3)[0].ids
-
-
-def test_one_row_products_on_threads_leave_onednn_switched_on():
-    from concurrent.futures import ThreadPoolExecutor
-
-    torch.manual_seed(0)
-    w, x = torch.randn(64, 32).bfloat16(), torch.randn(1, 32).bfloat16()
-    want = quantize_module.one_row_bf16_product(x, w)
-    with ThreadPoolExecutor(4) as pool:
-        outs = list(pool.map(lambda _: quantize_module.one_row_bf16_product(x, w), range(400)))
-    assert all(torch.equal(o, want) for o in outs)
-    assert torch.backends.mkldnn.enabled
-    torch.backends.mkldnn.enabled = False  # a user's own "off" is kept
-    try:
-        quantize_module.one_row_bf16_product(x, w)
-        assert not torch.backends.mkldnn.enabled
-    finally:
-        torch.backends.mkldnn.enabled = True
