@@ -133,7 +133,7 @@ class BF16Linear(nn.Module):
         self.register_buffer("weight", weight.detach().to(torch.bfloat16).contiguous())
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
         self.packed_weight: Tensor | None = None
-        self._packed_of: tuple[int, int] | None = None  # the weight's (data_ptr, _version)
+        self._packed_of: tuple[int, int] | None = None  # the weight's _stamp when packed
 
     @classmethod
     def from_float(cls, linear: nn.Linear) -> BF16Linear:
@@ -151,13 +151,13 @@ class BF16Linear(nn.Module):
         if w.device.type != "cpu" or w.dtype != torch.bfloat16 or not bf16_packing_available():
             self.packed_weight = self._packed_of = None
             return False
-        self.packed_weight, self._packed_of = _pack_bf16(w), (w.data_ptr(), w._version)
+        self.packed_weight, self._packed_of = _pack_bf16(w), _stamp(w)
         return True
 
     def _fresh_packed(self) -> Tensor:
         """The packed copy, packed again if the plain weight was written or replaced."""
         w = self.weight
-        if self._packed_of != (w.data_ptr(), w._version):
+        if self._packed_of != _stamp(w):
             self.pack()
         assert self.packed_weight is not None
         return self.packed_weight
@@ -214,6 +214,12 @@ class BF16Linear(nn.Module):
     def extra_repr(self) -> str:
         packed = ", packed (oneDNN)" if self.packed else ""
         return f"in_features={self.in_features}, out_features={self.out_features}, bf16{packed}"
+
+
+def _stamp(weight: Tensor) -> tuple[int, int]:
+    """A weight's storage address and write counter; an inference tensor (made under
+    ``torch.inference_mode``) counts no writes (−1): only its replacement is seen."""
+    return weight.data_ptr(), -1 if weight.is_inference() else weight._version
 
 
 def one_row_bf16_product(x: Tensor, weight: Tensor) -> Tensor:

@@ -260,6 +260,22 @@ def test_the_packed_copy_follows_writes_to_the_plain_weight():
     assert b.packed
 
 
+@pytest.mark.parametrize("packed", [False, pytest.param(True, marks=needs_packing)])
+def test_a_model_quantized_under_inference_mode_runs(packed, monkeypatch):
+    monkeypatch.setattr(hardware, "cpu_has_fast_bf16", lambda: packed)
+    model = _model()
+    idx = torch.randint(0, 128, (2, 8))
+    with torch.inference_mode():  # its weights are inference tensors: no write counter
+        q = quantize_model(model, "bf16")
+        assert q.lm_head.packed is packed and q.lm_head.weight.is_inference()
+        got = q(idx).logits
+        one = q(idx[:1, :1]).logits
+    with torch.no_grad():
+        want = model(idx).logits
+    assert (got - want).abs().max() < 0.05 * want.abs().max()
+    assert one.shape == (1, 1, 128)
+
+
 def test_bf16_linear_returns_each_input_dtype_with_and_without_a_bias():
     torch.manual_seed(0)
     lin = nn.Linear(40, 24)
