@@ -124,7 +124,8 @@ class BF16Linear(nn.Module):
     plain weight stays for one row, gradients, ``state_dict`` and a tied embedding, so a
     packed layer holds its weight twice. The packed copy is opaque: ``deepcopy``,
     pickling, ``.to()`` and ``load_state_dict`` pack again from the plain weight, and so
-    does a product after the plain weight was written or replaced. Casting the layer to
+    does a product after the plain weight was written or replaced (for a weight made under
+    ``torch.inference_mode``, which counts no writes, replaced only). Casting the layer to
     another float dtype (``.float()``, ``.half()``) is not supported: it stores bf16."""
 
     def __init__(self, weight: Tensor, bias: Tensor | None) -> None:
