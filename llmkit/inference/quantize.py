@@ -163,10 +163,6 @@ class BF16Linear(nn.Module):
         assert self.packed_weight is not None
         return self.packed_weight
 
-    def dense_weight(self) -> Tensor:
-        """The weight as a plain (out, in) bf16 tensor."""
-        return self.weight
-
     def forward(self, x: Tensor) -> Tensor:
         xb = x.to(torch.bfloat16)
         if not no_grad_to(x):  # the fast products have no backward
