@@ -158,7 +158,6 @@ def spec_model(
         if kind.per_layer:
             overrides[slot] = ref(kind, True)
     override = create_model(f"{prefix}LayerOverride", __base__=LayerOverride, **overrides)
-    override.__reduce__ = _reduce_table  # type: ignore[method-assign]
     fields["model"]["overrides"] = (
         list[override],  # type: ignore[valid-type]
         Field(default_factory=list, description="Per-layer component replacements."),
@@ -180,9 +179,7 @@ def spec_model(
     tables[""], tables["overrides"] = root, override
     for table, cls in tables.items():
         _TABLES[cls] = (root, table)
-        if table not in ("", "overrides"):
-            cls.__reduce__ = _reduce_table  # type: ignore[method-assign]
-    root.__reduce__ = _reduce_table  # type: ignore[method-assign]
+        cls.__reduce__ = _reduce_table  # type: ignore[method-assign]
     _ROOT_TABLES[root] = tables
     return root
 
