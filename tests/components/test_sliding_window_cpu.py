@@ -25,6 +25,14 @@ from tests.components.test_attention import (
 )
 
 
+@pytest.fixture(autouse=True)
+def _block_local_only(monkeypatch):
+    """These tests are the block-local path's: the compiled kernel (which takes fp32 calls
+    with head dims a multiple of its vector step) is off (tests/kernels/test_window_native.py
+    has its own)."""
+    monkeypatch.setenv("LLMKIT_NATIVE_KERNELS", "0")
+
+
 @pytest.fixture
 def two_threads():
     """Two torch threads (restored afterwards)."""

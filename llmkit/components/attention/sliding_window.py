@@ -4,11 +4,12 @@ A query at absolute position p attends the W keys at positions p−W+1 … p (lo
 in Longformer, Beltagy et al. 2020, and Mistral 7B, Jiang et al. 2023).
 
 The component runs the Triton kernel :mod:`llmkit.kernels.sliding_window` (same O(L·W) band)
-when :func:`llmkit.kernels.runtime.use_triton` allows it, and the block-local PyTorch
-implementation :mod:`llmkit.kernels.block_local` otherwise: CPU tensors without
-``TRITON_INTERPRET=1``, dropout in training, or inputs the kernel does not take (float64,
-head dim > 256, bf16 in the interpreter). The block-local function is also the kernel's test
-reference.
+when :func:`llmkit.kernels.runtime.use_triton` allows it. Otherwise CPU tensors (fp32, fp16,
+bf16; head dims a multiple of the vector step) without key padding or dropout take the
+compiled C kernel :mod:`llmkit.kernels.window_native`, where a C compiler builds it, and
+everything else the block-local PyTorch implementation :mod:`llmkit.kernels.block_local`:
+float64, key padding, dropout in training, other head dims, no compiler. The block-local
+function is also the kernels' test reference.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pydantic import Field
 from torch import Tensor
 
 from llmkit.contracts import AttentionKernel, BuildContext, ComponentOptions, DistanceBias
-from llmkit.kernels import runtime
+from llmkit.kernels import runtime, window_native
 from llmkit.kernels.block_local import block_local_attention, default_chunk
 from llmkit.ops import check_shapes
 
@@ -73,6 +74,11 @@ def sliding_window_attention(
         raise ValueError(f"chunk must be ≥ 1, got {chunk}")
     if q.shape[2] == 0:
         return q.clone()
+    if chunk is None and window_native.supports(q, k, v, key_padding_mask, dropout_p):
+        slopes = None if bias is None else bias.slopes
+        return window_native.window_attention_native(
+            q, k, v, min(window, k.shape[2]), groups, slopes
+        )
     return block_local_attention(
         q,
         k,
@@ -126,7 +132,7 @@ class SlidingWindowAttention(AttentionKernel):
                     slopes=None if bias is None else bias.slopes,
                     key_padding_mask=key_padding_mask,
                 )
-        elif dropout_p == 0.0:
+        elif dropout_p == 0.0 and not window_native.supports(q, k, v, key_padding_mask, 0.0):
             runtime.announce_reference(NAME)
         return sliding_window_attention(
             q,
@@ -141,7 +147,11 @@ class SlidingWindowAttention(AttentionKernel):
     @classmethod
     def runtime_backend(cls) -> str:
         """Which path this component takes on this machine (``llmkit show``)."""
-        return runtime.describe_backend(NAME)
+        return (
+            f"{runtime.describe_backend(NAME)}; CPU tensors without key padding or dropout: "
+            f"the compiled C kernel (llmkit.kernels.window_native, {window_native.ENV}=0 "
+            "turns it off)"
+        )
 
     def extra_repr(self) -> str:
         return f"window={self.window}, dropout={self.dropout}"

@@ -1,0 +1,285 @@
+"""Causal sliding-window attention by a compiled CPU kernel (fp32, forward and backward).
+
+The C source beside this module (``window_native.c``) fuses each tile of 14 queries (6 on
+AVX2): scores against the tile's one span of keys, an exact softmax over the whole row,
+and the product with the values, all in registers and L1/L2; the backward recomputes P
+from the saved row log-sum-exp and accumulates dK, dV straight into their rows. The tiles
+cut a row's window in one place only, so the work spent outside the windows is (14−1)/W of
+the useful work, where the chunked PyTorch path (:mod:`llmkit.kernels.block_local`) spends
+C/W = 1/8 at W = 256 and runs each of its seven products as a separate batched matmul.
+
+**Build.** On first use the source is compiled by the C compiler (``$CC``, else ``cc``,
+``gcc`` or ``clang``) with ``-O3 -march=native`` into the cache (``$LLMKIT_CACHE_DIR/kernels``,
+see :func:`llmkit.data.store.store_root`), under a name that hashes the source, the compiler,
+its flags and the CPU's flags, so a cache shared between machines never loads a library
+built for another CPU. The library is loaded with ctypes; a call releases the GIL, so the
+(batch, kv head) pairs run on :mod:`llmkit.kernels.worker_threads`. Where no compiler is
+found or the build fails, :func:`library` returns None (:func:`unavailable_reason` says
+why) and the PyTorch path runs; ``LLMKIT_NATIVE_KERNELS=0`` turns the kernel off.
+
+**What it takes**: CPU tensors, fp32 (fp16 and bf16 are computed in fp32 and cast back, as
+the PyTorch path does), head dims a multiple of the vector step (32 floats with AVX-512, 16
+without), optional ALiBi slopes; not key padding masks or dropout (those take the PyTorch
+path). Speed, against the PyTorch path and SDPA: docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+from llmkit.data.store import store_root
+from llmkit.kernels.worker_threads import run_parts, workers_for
+
+#: Set to ``0`` to keep the compiled kernel off (the PyTorch path runs instead).
+ENV = "LLMKIT_NATIVE_KERNELS"
+SOURCE = Path(__file__).with_name("window_native.c")
+#: Compiler flags of the cached build: tuned for the CPU it runs on.
+FLAGS = ("-O3", "-std=gnu11", "-fPIC", "-shared", "-march=native")
+
+_LOCK = threading.Lock()
+_STATE: dict[str, Any] = {}  # "lib": the loaded library or None; "why": the reason if None
+_PTR = ctypes.c_void_p
+_INT = ctypes.c_int
+
+
+def enabled() -> bool:
+    """False when ``LLMKIT_NATIVE_KERNELS=0`` (or ``false``/``no``/``off``)."""
+    return os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def compiler() -> str | None:
+    """The C compiler to build with: ``$CC``, else the first of cc, gcc, clang on PATH."""
+    if os.environ.get("CC"):
+        return shutil.which(os.environ["CC"].split()[0])
+    for name in ("cc", "gcc", "clang"):
+        found = shutil.which(name)
+        if found:
+            return found
+    return None
+
+
+def cpu_flags() -> str:
+    """The CPU's feature flags as the OS reports them (Linux: /proc/cpuinfo), else its name."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return f"{platform.machine()} {platform.processor()}"
+
+
+def library_name(cc: str, flags: tuple[str, ...]) -> str:
+    """File name of the library built from this source with this compiler and flags on this
+    CPU (a hash of all four)."""
+    key = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), cc.encode(), " ".join(flags).encode(), cpu_flags().encode()):
+        key.update(part)
+        key.update(b"\0")
+    suffix = ".dylib" if sys.platform == "darwin" else ".so"
+    return f"window_native-{key.hexdigest()[:20]}{suffix}"
+
+
+def build(cc: str, flags: tuple[str, ...] = FLAGS, directory: Path | None = None) -> Path:
+    """The library compiled from the source with ``cc`` and ``flags`` into ``directory``
+    (default: the cache's ``kernels``), reused if already there. Raises RuntimeError with the
+    compiler's first error line if it fails."""
+    folder = directory if directory is not None else store_root() / "kernels"
+    path = folder / library_name(cc, flags)
+    if path.exists():
+        return path
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    cmd = [cc, *flags, "-o", str(tmp), str(SOURCE), "-lm"]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    except OSError as err:
+        raise RuntimeError(f"{Path(cc).name} did not start: {err}") from err
+    if done.returncode != 0:
+        tmp.unlink(missing_ok=True)
+        errors = [ln for ln in (done.stderr or done.stdout).splitlines() if "error" in ln.lower()]
+        first = errors[0].strip() if errors else f"exit status {done.returncode}"
+        raise RuntimeError(f"{Path(cc).name} failed: {first}")
+    os.replace(tmp, path)  # atomic: a concurrent build writes the same bytes
+    return path
+
+
+def load(path: Path) -> ctypes.CDLL:
+    """The library at ``path`` with its functions' signatures set."""
+    lib = ctypes.CDLL(str(path))
+    lib.llmkit_window_lanes.restype = _INT
+    lib.llmkit_window_work.restype = ctypes.c_long
+    lib.llmkit_window_work.argtypes = [_INT, _INT, _INT, _INT]
+    lib.llmkit_window_forward.restype = None
+    lib.llmkit_window_forward.argtypes = [_PTR] * 6 + [_INT] * 5 + [ctypes.c_float, _PTR]
+    lib.llmkit_window_backward.restype = None
+    lib.llmkit_window_backward.argtypes = [_PTR] * 10 + [_INT] * 5 + [ctypes.c_float, _PTR]
+    return lib
+
+
+def library() -> ctypes.CDLL | None:
+    """The compiled kernel, built on first use; None where it is off or cannot be built."""
+    if not enabled():
+        return None
+    with _LOCK:
+        if "lib" not in _STATE:
+            cc = compiler()
+            if cc is None:
+                _STATE.update(lib=None, why="no C compiler found (set CC)")
+            elif os.name != "posix":
+                _STATE.update(lib=None, why="built on POSIX systems only")
+            else:
+                try:
+                    _STATE.update(lib=load(build(cc)), why=None)
+                except (OSError, RuntimeError) as err:  # no build: the PyTorch path runs
+                    _STATE.update(lib=None, why=f"build failed: {err}")
+        return _STATE["lib"]
+
+
+def unavailable_reason() -> str | None:
+    """Why :func:`library` returns None (after a call), else None."""
+    if not enabled():
+        return f"turned off by {ENV}"
+    return _STATE.get("why")
+
+
+def forget() -> None:
+    """Forget the loaded library (or the reason there is none): the next call builds or loads
+    again."""
+    with _LOCK:
+        _STATE.clear()
+
+
+def supports(
+    q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None, dropout_p: float
+) -> bool:
+    """True when the compiled kernel takes this call (and is available)."""
+    if q.device.type != "cpu" or dropout_p != 0.0 or key_padding_mask is not None:
+        return False
+    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in (
+        torch.float32,
+        torch.bfloat16,
+        torch.float16,
+    ):
+        return False
+    lib = library()
+    return lib is not None and q.shape[-1] % lib.llmkit_window_lanes() == 0
+
+
+def window_attention_native(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    window: int,
+    groups: int,
+    slopes: Tensor | None = None,
+    *,
+    lib: ctypes.CDLL | None = None,
+) -> Tensor:
+    """Sliding-window attention by the compiled kernel (differentiable in q, k, v): the
+    contract of :func:`llmkit.components.attention.sliding_window.sliding_window_attention`
+    without key padding and dropout, shapes already checked (``groups`` = Hq // Hkv).
+    ``lib``: a library from :func:`load` (default :func:`library`; check :func:`supports`
+    first)."""
+    lib = lib if lib is not None else library()
+    if lib is None:
+        raise RuntimeError(f"the compiled window kernel is unavailable: {unavailable_reason()}")
+    dtype = q.dtype
+    if dtype != torch.float32:  # computed in fp32; autograd casts the gradients back
+        q, k, v = q.float(), k.float(), v.float()
+    if slopes is not None:
+        slopes = slopes.detach().float().contiguous()
+    out = _WindowNative.apply(q, k, v, slopes, min(window, k.shape[2]), groups, lib)
+    return out.to(dtype)
+
+
+def _pairs(q: Tensor, k: Tensor, window: int) -> tuple[list[tuple[int, int]], int]:
+    """One part per (batch, kv head) pair, and the workers for them."""
+    b, hkv, tk = k.shape[0], k.shape[1], k.shape[2]
+    pairs = [(i, i + 1) for i in range(b * hkv)]
+    scores = q.shape[0] * q.shape[1] * q.shape[2] * min(window, tk)
+    return pairs, workers_for(q.device, scores, b * hkv)
+
+
+def _work(state: dict[str, Tensor], floats: int) -> Tensor:
+    buf = state.get("work")
+    if buf is None or buf.numel() < floats:
+        buf = state["work"] = torch.empty(floats)
+    return buf
+
+
+class _WindowNative(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        slopes: Tensor | None,
+        window: int,
+        groups: int,
+        lib: ctypes.CDLL,
+    ) -> Tensor:
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        bsz, hq, tq, d = q.shape
+        hkv, tk = k.shape[1], k.shape[2]
+        out = torch.empty_like(q)
+        lse = torch.empty(bsz, hq, tq)
+        floats = lib.llmkit_window_work(min(tk, tq + window - 1), d, window, 0)
+        scale = d**-0.5
+
+        def part(p0: int, _p1: int, state: dict[str, Tensor]) -> None:
+            b, h = divmod(p0, hkv)
+            heads = slice(h * groups, (h + 1) * groups)
+            lib.llmkit_window_forward(
+                q[b, heads].data_ptr(), k[b, h].data_ptr(), v[b, h].data_ptr(),
+                None if slopes is None else slopes[heads].data_ptr(),
+                out[b, heads].data_ptr(), lse[b, heads].data_ptr(),
+                groups, tq, tk, d, window, scale, _work(state, floats).data_ptr(),
+            )  # fmt: skip
+
+        pairs, workers = _pairs(q, k, window)
+        run_parts(pairs, workers, part)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.slopes, ctx.window, ctx.groups, ctx.lib = slopes, window, groups, lib
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        q, k, v, out, lse = ctx.saved_tensors
+        slopes, window, groups, lib = ctx.slopes, ctx.window, ctx.groups, ctx.lib
+        grad = grad.contiguous().float()
+        tq, d = q.shape[2], q.shape[3]
+        hkv, tk = k.shape[1], k.shape[2]
+        dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        floats = lib.llmkit_window_work(min(tk, tq + window - 1), d, window, 1)
+        scale = d**-0.5
+
+        def part(p0: int, _p1: int, state: dict[str, Tensor]) -> None:
+            b, h = divmod(p0, hkv)
+            heads = slice(h * groups, (h + 1) * groups)
+            lib.llmkit_window_backward(
+                q[b, heads].data_ptr(), k[b, h].data_ptr(), v[b, h].data_ptr(),
+                None if slopes is None else slopes[heads].data_ptr(),
+                out[b, heads].data_ptr(), grad[b, heads].data_ptr(), lse[b, heads].data_ptr(),
+                dq[b, heads].data_ptr(), dk[b, h].data_ptr(), dv[b, h].data_ptr(),
+                groups, tq, tk, d, window, scale, _work(state, floats).data_ptr(),
+            )  # fmt: skip
+
+        pairs, workers = _pairs(q, k, window)
+        run_parts(pairs, workers, part)
+        return dq, dk, dv, None, None, None, None

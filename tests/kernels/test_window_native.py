@@ -1,0 +1,256 @@
+"""The compiled CPU sliding-window kernel (llmkit.kernels.window_native): outputs and
+gradients against float64 autograd through the naive reference, on this CPU's build and on
+an AVX2 build; the component's dispatch to it; its build, cache and fallbacks."""
+
+from __future__ import annotations
+
+import platform
+import subprocess
+
+import pytest
+import torch
+
+from llmkit.components.attention.sliding_window import (
+    SlidingWindowAttention,
+    SlidingWindowOptions,
+    sliding_window_attention,
+)
+from llmkit.components.position.alibi import alibi_slopes
+from llmkit.contracts import DistanceBias
+from llmkit.kernels import block_local, window_native, worker_threads
+from tests.components.test_attention import _grads_vs_reference, make_qkv, naive
+
+
+@pytest.fixture
+def lib():
+    """This machine's build of the kernel (it needs a C compiler and AVX2 with FMA)."""
+    built = window_native.library()
+    if built is None:
+        pytest.skip(f"compiled window kernel unavailable: {window_native.unavailable_reason()}")
+    return built
+
+
+@pytest.fixture
+def fresh_state(monkeypatch, tmp_path):
+    """An empty kernel cache and no loaded library; the module's state is restored after."""
+    monkeypatch.setenv("LLMKIT_CACHE_DIR", str(tmp_path / "cache"))
+    saved = dict(window_native._STATE)
+    window_native.forget()
+    yield tmp_path
+    window_native.forget()
+    window_native._STATE.update(saved)
+
+
+@pytest.fixture
+def count_calls(monkeypatch):
+    """Counts of kernel calls by the component: {"native": n, "block_local": m}."""
+    calls = {"native": 0, "block_local": 0}
+    native, blocks = window_native._WindowNative.apply, block_local.block_local_attention
+
+    def spy_native(*args):
+        calls["native"] += 1
+        return native(*args)
+
+    def spy_blocks(*args, **kwargs):
+        calls["block_local"] += 1
+        return blocks(*args, **kwargs)
+
+    monkeypatch.setattr(window_native._WindowNative, "apply", spy_native)
+    monkeypatch.setattr(
+        "llmkit.components.attention.sliding_window.block_local_attention", spy_blocks
+    )
+    return calls
+
+
+CASES = [  # b, hq, hkv, tq, tk, window, d
+    (1, 2, 2, 64, 64, 16, 64),  # tiles cut windows; Tq a multiple of no tile height
+    (2, 4, 2, 37, 37, 300, 32),  # GQA; window longer than the sequence
+    (1, 3, 1, 29, 80, 24, 64),  # MQA; Tq < Tk (queries at the end of the keys)
+    (1, 2, 2, 45, 45, 1, 32),  # window 1: each query sees only itself
+    (2, 2, 2, 3, 200, 50, 128),  # short query block at the end of a long cache
+    (1, 2, 2, 100, 100, 7, 96),  # head dim three product steps wide (AVX-512)
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
+@pytest.mark.parametrize("alibi", [False, True], ids=["plain", "alibi"])
+def test_matches_reference(lib, count_calls, case, alibi):
+    """Output, dq, dk, dv of the component's function on fp32 CPU tensors: the compiled
+    kernel runs, within fp32 rounding of float64 autograd."""
+    b, hq, hkv, tq, tk, window, d = case
+    if d % lib.llmkit_window_lanes():
+        pytest.skip(f"head dim {d} is not a multiple of this build's step")
+    q, k, v = make_qkv(b, hq, hkv, tq, tk, d=d, seed=tq + window)
+    slopes = torch.tensor(alibi_slopes(hq)) if alibi else None
+    _grads_vs_reference(q, k, v, window, slopes=slopes, seed=3)
+    assert count_calls == {"native": 1, "block_local": 0}
+
+
+def test_threads_give_the_inline_results(lib, monkeypatch):
+    """The (batch, kv head) pairs on worker threads give the inline results bit for bit."""
+    q, k, v = make_qkv(2, 4, 2, 70, 70, d=64, seed=1)
+    grad = torch.randn_like(q)
+    results = []
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for parallel in (1 << 62, 0):
+            monkeypatch.setattr(worker_threads, "PARALLEL_SCORES", parallel)
+            ins = [t.clone().requires_grad_(True) for t in (q, k, v)]
+            out = window_native.window_attention_native(*ins, 20, 2)
+            results.append((out, *torch.autograd.grad(out, ins, grad)))
+    finally:
+        torch.set_num_threads(before)
+    for inline, threaded in zip(*results):
+        assert torch.equal(inline, threaded)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_inputs_compute_in_fp32(lib, count_calls, dtype):
+    """fp16/bf16 inputs run in fp32 and come back (with their gradients) in their dtype."""
+    q, k, v = (t.to(dtype) for t in make_qkv(1, 2, 2, 40, 40, d=64, seed=2))
+    ins = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    out = sliding_window_attention(*ins, 12)
+    out.float().sum().backward()
+    assert out.dtype == dtype and all(t.grad.dtype == dtype for t in ins)
+    want = naive(q, k, v, window=12)
+    torch.testing.assert_close(out.double(), want, atol=2e-2, rtol=0)
+    assert count_calls["native"] == 1
+
+
+def test_other_calls_take_the_pytorch_path(lib, count_calls):
+    """Key padding, dropout, an explicit chunk, float64 and odd head dims are the block-local
+    path's."""
+    q, k, v = make_qkv(1, 2, 2, 24, 24, d=64)
+    pad = torch.ones(1, 24, dtype=torch.bool)
+    pad[0, :3] = False
+    sliding_window_attention(q, k, v, 8, key_padding_mask=pad)
+    sliding_window_attention(q, k, v, 8, dropout_p=0.1)
+    sliding_window_attention(q, k, v, 8, chunk=8)
+    sliding_window_attention(q.double(), k.double(), v.double(), 8)
+    sliding_window_attention(*make_qkv(1, 2, 2, 24, 24, d=8), 8)
+    assert count_calls == {"native": 0, "block_local": 5}
+    sliding_window_attention(q, k, v, 8)
+    assert count_calls == {"native": 1, "block_local": 5}
+
+
+def test_turned_off_by_the_environment(lib, monkeypatch, count_calls):
+    monkeypatch.setenv(window_native.ENV, "0")
+    q, k, v = make_qkv(1, 2, 2, 24, 24, d=64)
+    torch.testing.assert_close(
+        sliding_window_attention(q, k, v, 8), naive(q, k, v, window=8).float(), atol=2e-6, rtol=0
+    )
+    assert count_calls == {"native": 0, "block_local": 1}
+    assert window_native.library() is None
+    assert "LLMKIT_NATIVE_KERNELS" in window_native.unavailable_reason()
+
+
+def test_component_uses_it_and_says_so(lib, count_calls):
+    """The component (the registry's ``sliding_window``) runs the kernel on fp32 CPU tensors
+    and ``llmkit show`` names it."""
+    layer = SlidingWindowAttention(SlidingWindowOptions(window=16), None)
+    q, k, v = make_qkv(1, 4, 2, 50, 50, d=64, seed=4)
+    out = layer(q, k, v, bias=DistanceBias(torch.tensor(alibi_slopes(4))))
+    torch.testing.assert_close(
+        out.double(),
+        naive(q, k, v, window=16, slopes=torch.tensor(alibi_slopes(4))),
+        atol=2e-6,
+        rtol=0,
+    )
+    assert count_calls["native"] == 1
+    assert "window_native" in SlidingWindowAttention.runtime_backend()
+
+
+def test_decoding_works_on_the_last_keys_only(lib):
+    """A query block at the end of a long cache transposes and buffers only the keys its
+    windows reach: the work buffer does not grow with the cache."""
+    d, window = 64, 32
+    small = lib.llmkit_window_work(min(100, 1 + window - 1), d, window, 1)
+    assert small < 4 * d * (window + 64) + 4096
+    q, k, v = make_qkv(1, 2, 2, 1, 5000, d=d, seed=5)
+    got = window_native.window_attention_native(q, k, v, window, 1)
+    torch.testing.assert_close(got.double(), naive(q, k, v, window=window), atol=2e-6, rtol=0)
+
+
+def test_an_avx2_build_matches_too(lib, tmp_path):
+    """The AVX2 build (8 lanes, 6-row tiles) that a CPU without AVX-512 compiles, checked
+    here whatever this CPU has (it runs wherever AVX2 and FMA do)."""
+    flags = window_native.cpu_flags().split()
+    if platform.machine() not in ("x86_64", "AMD64") or not {"avx2", "fma"} <= set(flags):
+        pytest.skip("needs an x86-64 CPU with AVX2 and FMA")
+    avx2 = (*window_native.FLAGS[:-1], "-mavx2", "-mfma")
+    built = window_native.load(window_native.build(window_native.compiler(), avx2, tmp_path))
+    assert built.llmkit_window_lanes() == 16
+    q, k, v = make_qkv(2, 4, 2, 61, 75, d=48, seed=6)
+    slopes = torch.tensor(alibi_slopes(4))
+    ins = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    out = window_native.window_attention_native(*ins, 20, 2, slopes, lib=built)
+    grad = torch.randn_like(out)
+    grads = torch.autograd.grad(out, ins, grad)
+    ref_ins = [t.double().requires_grad_(True) for t in (q, k, v)]
+    ref = naive(*ref_ins, slopes=slopes, window=20)
+    ref_grads = torch.autograd.grad(ref, ref_ins, grad.double())
+    for got, want in zip((out, *grads), (ref, *ref_grads)):
+        torch.testing.assert_close(got.double(), want, atol=2e-5, rtol=0)
+
+
+def test_build_is_cached_per_source_compiler_and_cpu(fresh_state, monkeypatch):
+    """The first call compiles into the cache; later loads reuse the file (no compiler run);
+    the name changes with the flags."""
+    cc = window_native.compiler()
+    if cc is None:
+        pytest.skip("no C compiler")
+    first = window_native.build(cc)
+    assert first.parent == fresh_state / "cache" / "kernels" and first.exists()
+
+    def no_compiler(*args, **kwargs):
+        raise AssertionError("compiled again")
+
+    monkeypatch.setattr(subprocess, "run", no_compiler)
+    assert window_native.build(cc) == first
+    assert window_native.library_name(cc, window_native.FLAGS[:-1]) != first.name
+    assert not list(first.parent.glob("*.tmp"))
+
+
+def test_no_compiler_or_a_failed_build_falls_back(fresh_state, monkeypatch, count_calls):
+    """Without a compiler, or with one that fails, the PyTorch path runs and the reason is
+    kept; a failing compiler's error line is in it."""
+    q, k, v = make_qkv(1, 2, 2, 24, 24, d=64)
+    want = naive(q, k, v, window=8).float()
+    monkeypatch.setenv("CC", "no-such-compiler-here")
+    torch.testing.assert_close(sliding_window_attention(q, k, v, 8), want, atol=2e-6, rtol=0)
+    assert "no C compiler" in window_native.unavailable_reason()
+    window_native.forget()
+    script = fresh_state / "badcc"
+    script.write_text("#!/bin/sh\necho 'fatal error: no such header' >&2\nexit 1\n")
+    script.chmod(0o755)
+    monkeypatch.setenv("CC", str(script))
+    torch.testing.assert_close(sliding_window_attention(q, k, v, 8), want, atol=2e-6, rtol=0)
+    assert (
+        window_native.unavailable_reason()
+    ) == "build failed: badcc failed: fatal error: no such header"
+    assert count_calls == {"native": 0, "block_local": 2}
+    with pytest.raises(RuntimeError, match="unavailable"):
+        window_native.window_attention_native(q, k, v, 8, 1)
+
+
+def test_memory_is_linear_in_length(lib):
+    """Forward+backward keeps q, k, v, the output, one log-sum-exp per row and per-thread
+    buffers of O(W·D) plus one head's transposed keys and values: the peak grows with L
+    like the O(L·D) tensors, never like L²."""
+    from llmkit.bench.kernels.timing import cpu_peak_allocated
+
+    def peak(length: int) -> int:
+        q, k, v = (t.requires_grad_(True) for t in make_qkv(1, 2, 2, length, length, d=64))
+
+        def step():
+            out = window_native.window_attention_native(q, k, v, 64, 1)
+            return torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+
+        step()
+        return cpu_peak_allocated(step)
+
+    small, large = peak(2048), peak(4096)
+    assert large <= 2.2 * small, (small, large)
+    # Outputs (out, dq, dk, dv, lse) and the buffers: far below one head's L×L scores.
+    assert large < 12 * 2 * 4096 * 64 * 4, large
