@@ -1,4 +1,5 @@
-"""Files written whole or not at all, and full disks as one-line errors.
+"""Files written whole or not at all, full disks as one-line errors, and llmkit's cache
+directory.
 
 A file is written under a temporary name beside its target (``.NAME.PID.tmp``: two processes
 writing the same target never share one) and renamed over it with ``os.replace``, so a
@@ -16,6 +17,18 @@ from pathlib import Path
 from typing import Any
 
 from llmkit.errors import LlmkitError, no_space, no_space_message
+
+#: Environment variable naming llmkit's cache directory (the data store, built kernels).
+CACHE_ENV = "LLMKIT_CACHE_DIR"
+
+
+def store_root() -> Path:
+    """llmkit's cache directory: ``$LLMKIT_CACHE_DIR``, else ``$XDG_CACHE_HOME/llmkit``, else
+    ``~/.cache/llmkit`` (layout: :mod:`llmkit.data.store`)."""
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV]).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "llmkit"
 
 
 class NoSpaceLeft(LlmkitError):

@@ -41,8 +41,9 @@ LAYER = {name: i for i, names in enumerate(LAYERS) for name in names}
 
 #: Narrower than the layers: what these may import (top-level names under ``llmkit``).
 ONLY: dict[str, set[str]] = {
-    # Kernels sit beside their references but never reach into components.
-    "kernels": {"contracts", "ops", "dropout", "kernels"},
+    # Kernels sit beside their references but never reach into components (files: the
+    # cache directory a compiled kernel is built into).
+    "kernels": {"contracts", "ops", "dropout", "kernels", "files"},
 }
 
 #: What plugins may import from llmkit: the package itself and these public modules.

@@ -22,6 +22,7 @@ comparison, ``LLMKIT_BENCH_OUT=DIR`` also writes it as JSON. For the issue's 2 t
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import statistics
 import time
@@ -33,6 +34,7 @@ import torch
 
 from benchmarks.conftest import FULL
 from llmkit.bench import kernels as bk
+from llmkit.kernels import window_native
 from llmkit.registry import get_registry
 
 DEVICE = os.environ.get("LLMKIT_BENCH_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -117,6 +119,30 @@ PAIR_REPEATS = 5 if FULL else 1
 DENSE_MAX_SEQ = 4096
 
 
+def _window_path() -> str:
+    """Which path ``sliding_window`` takes on fp32 CPU tensors here."""
+    if window_native.library() is not None:
+        return "compiled C kernel (llmkit.kernels.window_native)"
+    return f"block-local PyTorch ({window_native.unavailable_reason()})"
+
+
+def _without_native(step: Any) -> Any:
+    """``step`` with the compiled window kernel turned off for the call."""
+
+    def run() -> Any:
+        before = os.environ.get(window_native.ENV)
+        os.environ[window_native.ENV] = "0"
+        try:
+            return step()
+        finally:
+            if before is None:
+                del os.environ[window_native.ENV]
+            else:
+                os.environ[window_native.ENV] = before
+
+    return run
+
+
 def _interleaved(steps: dict[str, Any], repeats: int, warmup: int) -> dict[str, list[float]]:
     """Seconds per call of each step, timed in alternating rounds (one call of each per
     round), so that load from other processes spreads evenly over the candidates."""
@@ -137,7 +163,8 @@ def _interleaved(steps: dict[str, Any], repeats: int, warmup: int) -> dict[str, 
 def test_sliding_window_vs_dense_causal_cpu(mode, seq):
     """Sliding window (W = 256) against dense causal attention (``sdpa``: torch's fused
     kernel, O(N) memory; ``dense``: materialized scores, N ≤ 4096) at B = 1, H = 8, D = 64,
-    fp32 on the CPU, N = 4096 and 16384 (full mode; quick: N = 1024, W = 64): time in
+    fp32 on the CPU, N = 4096 and 16384 (full mode; quick: N = 1024, W = 64), and, where the
+    compiled kernel runs, the block-local PyTorch path on the same inputs: time in
     interleaved rounds (median and min of 5) and peak memory, on torch's current thread
     count. No timed assertions: the numbers are printed (``-s``) and, with
     ``LLMKIT_BENCH_OUT=DIR``, written as JSON."""
@@ -152,6 +179,14 @@ def test_sliding_window_vs_dense_causal_cpu(mode, seq):
     adapter = bk.adapter_for("attention")
     case = bk.Case(mode, seq, 64, "cpu", torch.float32, True, 1, 8)
     prepared = {e.label: adapter.prepare(e, case) for e in entries}
+    path = _window_path()
+    if window_native.library() is not None:  # the PyTorch path beside it, on the same inputs
+        window = prepared[entries[0].label]
+        pytorch = dataclasses.replace(window, step=_without_native(window.step))
+        labels = list(prepared)
+        prepared = {labels[0]: window, f"{labels[0]}, PyTorch path": pytorch} | {
+            label: prepared[label] for label in labels[1:]
+        }
     times = _interleaved(
         {label: p.step for label, p in prepared.items()},
         repeats=PAIR_REPEATS,
@@ -169,10 +204,11 @@ def test_sliding_window_vs_dense_causal_cpu(mode, seq):
             "median_s": med, "min_s": low, "samples_s": samples,
             "time_vs_sdpa_median": med / base[0], "time_vs_sdpa_min": low / base[1],
             "flops": prepared[label].flops, "peak_memory_bytes": memory[label],
-            "memory_vs_sdpa": memory[label] / base[2],
+            "memory_vs_sdpa": memory[label] / base[2], "window_path": path,
         })  # fmt: skip
     print(f"\n{mode}, N = {seq}, B 1 H 8 D 64 fp32, {torch.get_num_threads()} threads, "
-          f"{len(times['sdpa'])} interleaved rounds, load {os.getloadavg()[0]:.1f}")  # fmt: skip
+          f"{len(times['sdpa'])} interleaved rounds, load {os.getloadavg()[0]:.1f}; "
+          f"sliding_window: {path}")  # fmt: skip
     print("| component | median | min | × sdpa (median) | × sdpa (min) | peak memory |")
     print("|---|---|---|---|---|---|")
     for r in records:

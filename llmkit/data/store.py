@@ -15,6 +15,7 @@ else ``~/.cache/llmkit``)::
     tokenizers/<recipe>.json               tokenizer trained for a recipe (see recipe_key)
     tokens/<split>-<key>.{bin,json,...}    token files, named as in a run's data directory
     cpu-peaks.json                         measured CPU matmul peaks, for MFU (hardware.py)
+    kernels/window_native-<key>.so         the compiled CPU window kernel (kernels/window_native.py)
 
 Every file enters under a temporary name and is renamed into place, the token file's JSON
 sidecar last, so a reader never takes a half-written entry (:func:`tokens._reusable` checks
@@ -31,22 +32,12 @@ from pathlib import Path
 from typing import Any
 
 from llmkit.data.tokens import DOCS_SUFFIX, FORMAT_VERSION, MASK_SUFFIX, _reusable, sidecar
-from llmkit.files import replacing
+from llmkit.files import replacing, store_root
 
-#: Environment variable naming the store's directory.
-CACHE_ENV = "LLMKIT_CACHE_DIR"
 #: The file of measured CPU peaks under the store's root (:func:`llmkit.hardware.peak_flops`).
 PEAKS_FILE = "cpu-peaks.json"
 #: Largest token data copied into the store when hard links are impossible (bytes).
 COPY_LIMIT = 1 << 30
-
-
-def store_root() -> Path:
-    """``$LLMKIT_CACHE_DIR``, else ``$XDG_CACHE_HOME/llmkit``, else ``~/.cache/llmkit``."""
-    if os.environ.get(CACHE_ENV):
-        return Path(os.environ[CACHE_ENV]).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "llmkit"
 
 
 def recipe_key(

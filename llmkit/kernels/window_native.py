@@ -10,7 +10,7 @@ C/W = 1/8 at W = 256 and runs each of its seven products as a separate batched m
 
 **Build.** On first use the source is compiled by the C compiler (``$CC``, else ``cc``,
 ``gcc`` or ``clang``) with ``-O3 -march=native`` into the cache (``$LLMKIT_CACHE_DIR/kernels``,
-see :func:`llmkit.data.store.store_root`), under a name that hashes the source, the compiler,
+see :func:`llmkit.files.store_root`), under a name that hashes the source, the compiler,
 its flags and the CPU's flags, so a cache shared between machines never loads a library
 built for another CPU. The library is loaded with ctypes; a call releases the GIL, so the
 (batch, kv head) pairs run on :mod:`llmkit.kernels.worker_threads`. Where no compiler is
@@ -40,7 +40,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from llmkit.data.store import store_root
+from llmkit.files import store_root
 from llmkit.kernels.worker_threads import run_parts, workers_for
 
 #: Set to ``0`` to keep the compiled kernel off (the PyTorch path runs instead).
