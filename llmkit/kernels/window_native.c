@@ -204,8 +204,8 @@ int llmkit_window_lanes(void) { return NB; }
 
 /* Floats of the work buffer a forward (backward) call needs (at most; Tq ≤ Tk). */
 long llmkit_window_work(int Tk, int D, int W, int backward) {
-    long packs = (backward ? 2 : 1) * (long)D * key_columns(Tk);
-    return packs + 2L * RT * D + 2L * RT * span_stride(W);
+    long copies = backward ? 2 : 1; /* kᵀ, q tile, scores (and vᵀ, dO tile, dS) */
+    return copies * ((long)D * key_columns(Tk) + (long)RT * D + (long)RT * span_stride(W));
 }
 
 /* A tile of rows i0 … i0+rows−1 (query key positions p0 …): its span lo … lo+n−1. */
@@ -246,7 +246,7 @@ void llmkit_window_forward(const float *q, const float *k, const float *v, const
     const int first = Tk - Tq - W + 1 > 0 ? Tk - Tq - W + 1 : 0; /* the first key attended */
     long ldk = key_columns(Tk - first);
     int ls = span_stride(W);
-    float *kt = work, *qt = kt + D * ldk, *s = qt + 2 * RT * D;
+    float *kt = work, *qt = kt + D * ldk, *s = qt + RT * D;
     transpose_keys(k + (long)first * D, Tk - first, D, kt, ldk);
     const float c = scale * LOG2E;
     const vf ninf = splat(-INFINITY);

@@ -29,6 +29,7 @@ import ctypes
 import hashlib
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import sys
@@ -48,6 +49,8 @@ ENV = "LLMKIT_NATIVE_KERNELS"
 SOURCE = Path(__file__).with_name("window_native.c")
 #: Compiler flags of the cached build: tuned for the CPU it runs on.
 FLAGS = ("-O3", "-std=gnu11", "-fPIC", "-shared", "-march=native")
+#: Seconds a build may take (it takes about one).
+BUILD_TIMEOUT = 120
 
 _LOCK = threading.Lock()
 _STATE: dict[str, Any] = {}  # "lib": the loaded library or None; "why": the reason if None
@@ -60,14 +63,17 @@ def enabled() -> bool:
     return os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
-def compiler() -> str | None:
-    """The C compiler to build with: ``$CC``, else the first of cc, gcc, clang on PATH."""
-    if os.environ.get("CC"):
-        return shutil.which(os.environ["CC"].split()[0])
+def compiler() -> list[str] | None:
+    """The C compiler's command: ``$CC`` (every word, so ``ccache gcc`` works), else the first
+    of cc, gcc, clang on PATH; None if its program is not found."""
+    if os.environ.get("CC", "").strip():
+        words = shlex.split(os.environ["CC"])
+        found = shutil.which(words[0])
+        return [found, *words[1:]] if found else None
     for name in ("cc", "gcc", "clang"):
         found = shutil.which(name)
         if found:
-            return found
+            return [found]
     return None
 
 
@@ -82,37 +88,43 @@ def cpu_flags() -> str:
     return f"{platform.machine()} {platform.processor()}"
 
 
-def library_name(cc: str, flags: tuple[str, ...]) -> str:
-    """File name of the library built from this source with this compiler and flags on this
-    CPU (a hash of all four)."""
+def library_name(cc: list[str], flags: tuple[str, ...]) -> str:
+    """File name of the library built from this source with this compiler command and flags
+    on this CPU (a hash of all four)."""
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), cc.encode(), " ".join(flags).encode(), cpu_flags().encode()):
+    parts = (SOURCE.read_bytes(), " ".join(cc), " ".join(flags), cpu_flags())
+    for part in (p if isinstance(p, bytes) else p.encode() for p in parts):
         key.update(part)
         key.update(b"\0")
     suffix = ".dylib" if sys.platform == "darwin" else ".so"
     return f"window_native-{key.hexdigest()[:20]}{suffix}"
 
 
-def build(cc: str, flags: tuple[str, ...] = FLAGS, directory: Path | None = None) -> Path:
-    """The library compiled from the source with ``cc`` and ``flags`` into ``directory``
-    (default: the cache's ``kernels``), reused if already there. Raises RuntimeError with the
-    compiler's first error line if it fails."""
+def build(cc: list[str], flags: tuple[str, ...] = FLAGS, directory: Path | None = None) -> Path:
+    """The library compiled from the source with the command ``cc`` and ``flags`` into
+    ``directory`` (default: the cache's ``kernels``), reused if already there. Raises
+    RuntimeError with the compiler's first error line if it fails or takes over
+    :data:`BUILD_TIMEOUT` seconds."""
     folder = directory if directory is not None else store_root() / "kernels"
     path = folder / library_name(cc, flags)
     if path.exists():
         return path
     folder.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    cmd = [cc, *flags, "-o", str(tmp), str(SOURCE), "-lm"]
+    cmd = [*cc, *flags, "-o", str(tmp), str(SOURCE), "-lm"]
+    name = Path(cc[0]).name
     try:
-        done = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    except OSError as err:
-        raise RuntimeError(f"{Path(cc).name} did not start: {err}") from err
+        done = subprocess.run(
+            cmd, capture_output=True, text=True, check=False, timeout=BUILD_TIMEOUT
+        )
+    except (OSError, subprocess.TimeoutExpired) as err:
+        tmp.unlink(missing_ok=True)
+        raise RuntimeError(f"{name} did not finish: {err}") from err
     if done.returncode != 0:
         tmp.unlink(missing_ok=True)
         errors = [ln for ln in (done.stderr or done.stdout).splitlines() if "error" in ln.lower()]
         first = errors[0].strip() if errors else f"exit status {done.returncode}"
-        raise RuntimeError(f"{Path(cc).name} failed: {first}")
+        raise RuntimeError(f"{name} failed: {first}")
     os.replace(tmp, path)  # atomic: a concurrent build writes the same bytes
     return path
 
@@ -138,7 +150,9 @@ def library() -> ctypes.CDLL | None:
         if "lib" not in _STATE:
             cc = compiler()
             if cc is None:
-                _STATE.update(lib=None, why="no C compiler found (set CC)")
+                given = os.environ.get("CC", "").strip()
+                why = f"CC={given} not found" if given else "no C compiler found (set CC)"
+                _STATE.update(lib=None, why=why)
             elif os.name != "posix":
                 _STATE.update(lib=None, why="built on POSIX systems only")
             else:
@@ -147,6 +161,16 @@ def library() -> ctypes.CDLL | None:
                 except (OSError, RuntimeError) as err:  # no build: the PyTorch path runs
                     _STATE.update(lib=None, why=f"build failed: {err}")
         return _STATE["lib"]
+
+
+def describe() -> str:
+    """One line: whether the kernel runs here, building it if needed (``llmkit show``)."""
+    if library() is not None:
+        lanes = _STATE["lib"].llmkit_window_lanes()
+        return (
+            f"the compiled C kernel (llmkit.kernels.window_native; head dims a multiple of {lanes})"
+        )
+    return f"the PyTorch path (compiled kernel unavailable: {unavailable_reason()})"
 
 
 def unavailable_reason() -> str | None:
@@ -167,7 +191,9 @@ def supports(
     q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None, dropout_p: float
 ) -> bool:
     """True when the compiled kernel takes this call (and is available)."""
-    if q.device.type != "cpu" or dropout_p != 0.0 or key_padding_mask is not None:
+    if dropout_p != 0.0 or key_padding_mask is not None:
+        return False
+    if not q.device.type == k.device.type == v.device.type == "cpu":
         return False
     if not (q.dtype == k.dtype == v.dtype) or q.dtype not in (
         torch.float32,
@@ -201,7 +227,11 @@ def window_attention_native(
     if dtype != torch.float32:  # computed in fp32; autograd casts the gradients back
         q, k, v = q.float(), k.float(), v.float()
     if slopes is not None:
-        slopes = slopes.detach().float().contiguous()
+        if slopes.shape != (q.shape[1],):
+            raise ValueError(
+                f"slopes {tuple(slopes.shape)} must be ({q.shape[1]},), one per query head"
+            )
+        slopes = slopes.detach().to("cpu", torch.float32).contiguous()
     out = _WindowNative.apply(q, k, v, slopes, min(window, k.shape[2]), groups, lib)
     return out.to(dtype)
 
@@ -217,7 +247,7 @@ def _pairs(q: Tensor, k: Tensor, window: int) -> tuple[list[tuple[int, int]], in
 def _work(state: dict[str, Tensor], floats: int) -> Tensor:
     buf = state.get("work")
     if buf is None or buf.numel() < floats:
-        buf = state["work"] = torch.empty(floats)
+        buf = state["work"] = torch.empty(floats, dtype=torch.float32, device="cpu")
     return buf
 
 
@@ -237,7 +267,7 @@ class _WindowNative(torch.autograd.Function):
         bsz, hq, tq, d = q.shape
         hkv, tk = k.shape[1], k.shape[2]
         out = torch.empty_like(q)
-        lse = torch.empty(bsz, hq, tq)
+        lse = torch.empty(bsz, hq, tq, dtype=torch.float32, device="cpu")
         floats = lib.llmkit_window_work(min(tk, tq + window - 1), d, window, 0)
         scale = d**-0.5
 

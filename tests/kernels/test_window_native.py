@@ -5,6 +5,7 @@ an AVX2 build; the component's dispatch to it; its build, cache and fallbacks.""
 from __future__ import annotations
 
 import platform
+import shutil
 import subprocess
 
 import pytest
@@ -107,14 +108,21 @@ def test_threads_give_the_inline_results(lib, monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_inputs_compute_in_fp32(lib, count_calls, dtype):
-    """fp16/bf16 inputs run in fp32 and come back (with their gradients) in their dtype."""
-    q, k, v = (t.to(dtype) for t in make_qkv(1, 2, 2, 40, 40, d=64, seed=2))
+    """fp16/bf16 inputs run in fp32 and come back, with their gradients, in their dtype and
+    within that dtype's rounding of float64 autograd."""
+    q, k, v = (t.to(dtype) for t in make_qkv(1, 4, 2, 40, 40, d=64, seed=2))
+    slopes = torch.tensor(alibi_slopes(4))
     ins = [t.clone().requires_grad_(True) for t in (q, k, v)]
-    out = sliding_window_attention(*ins, 12)
-    out.float().sum().backward()
-    assert out.dtype == dtype and all(t.grad.dtype == dtype for t in ins)
-    want = naive(q, k, v, window=12)
-    torch.testing.assert_close(out.double(), want, atol=2e-2, rtol=0)
+    out = sliding_window_attention(*ins, 12, bias=DistanceBias(slopes))
+    grad = torch.randn(out.shape).to(dtype)
+    grads = torch.autograd.grad(out, ins, grad)
+    ref_ins = [t.double().requires_grad_(True) for t in (q, k, v)]
+    ref = naive(*ref_ins, window=12, slopes=slopes)
+    ref_grads = torch.autograd.grad(ref, ref_ins, grad.double())
+    tol = 3e-2 if dtype == torch.bfloat16 else 4e-3
+    for got, want in zip((out, *grads), (ref, *ref_grads)):
+        assert got.dtype == dtype
+        torch.testing.assert_close(got.double(), want, atol=tol, rtol=0)
     assert count_calls["native"] == 1
 
 
@@ -143,6 +151,32 @@ def test_turned_off_by_the_environment(lib, monkeypatch, count_calls):
     assert count_calls == {"native": 0, "block_local": 1}
     assert window_native.library() is None
     assert "LLMKIT_NATIVE_KERNELS" in window_native.unavailable_reason()
+    assert "unavailable: turned off" in SlidingWindowAttention.runtime_backend()
+
+
+def test_tensors_elsewhere_and_another_default_device(lib, count_calls):
+    """Keys or values off the CPU are not the kernel's; its own buffers are CPU fp32 whatever
+    torch's default device and dtype."""
+    q, k, v = make_qkv(1, 2, 2, 24, 24, d=64)
+    assert not window_native.supports(q, k.to("meta"), v, None, 0.0)
+    assert not window_native.supports(q, k, v.to("meta"), None, 0.0)
+    want = naive(q, k, v, window=8).float()
+    torch.set_default_device("meta")
+    torch.set_default_dtype(torch.float64)
+    try:
+        got = sliding_window_attention(q, k, v, 8)
+    finally:
+        torch.set_default_device(None)
+        torch.set_default_dtype(torch.float32)
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=0)
+    assert count_calls["native"] == 1
+
+
+def test_slopes_must_be_one_per_query_head(lib):
+    q, k, v = make_qkv(1, 4, 2, 24, 24, d=64)
+    for slopes in (torch.ones(3), torch.ones(2), torch.ones(4, 1)):
+        with pytest.raises(ValueError, match="one per query head"):
+            window_native.window_attention_native(q, k, v, 8, 2, slopes)
 
 
 def test_component_uses_it_and_says_so(lib, count_calls):
@@ -172,23 +206,40 @@ def test_decoding_works_on_the_last_keys_only(lib):
     torch.testing.assert_close(got.double(), naive(q, k, v, window=window), atol=2e-6, rtol=0)
 
 
-def test_an_avx2_build_matches_too(lib, tmp_path):
-    """The AVX2 build (8 lanes, 6-row tiles) that a CPU without AVX-512 compiles, checked
-    here whatever this CPU has (it runs wherever AVX2 and FMA do)."""
+@pytest.fixture(scope="module")
+def avx2_lib(tmp_path_factory):
+    """The AVX2 build (8 lanes, 6-row tiles) a CPU without AVX-512 compiles; it runs here
+    wherever AVX2 and FMA do, whatever else this CPU has."""
     flags = window_native.cpu_flags().split()
     if platform.machine() not in ("x86_64", "AMD64") or not {"avx2", "fma"} <= set(flags):
         pytest.skip("needs an x86-64 CPU with AVX2 and FMA")
+    cc = window_native.compiler()
+    if cc is None:
+        pytest.skip("no C compiler")
     avx2 = (*window_native.FLAGS[:-1], "-mavx2", "-mfma")
-    built = window_native.load(window_native.build(window_native.compiler(), avx2, tmp_path))
+    built = window_native.load(window_native.build(cc, avx2, tmp_path_factory.mktemp("avx2")))
     assert built.llmkit_window_lanes() == 16
-    q, k, v = make_qkv(2, 4, 2, 61, 75, d=48, seed=6)
-    slopes = torch.tensor(alibi_slopes(4))
+    return built
+
+
+AVX2_CASES = [  # b, hq, hkv, tq, tk, window, d, alibi
+    (2, 4, 2, 61, 75, 20, 48, True),  # GQA, Tq < Tk, 6-row tiles cut at 61
+    (1, 2, 2, 40, 40, 100, 16, False),  # one product step of head dims; window past Tk
+    (1, 3, 1, 1, 90, 7, 32, True),  # decoding one query, MQA
+]
+
+
+@pytest.mark.parametrize("case", AVX2_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_an_avx2_build_matches_too(avx2_lib, case):
+    b, hq, hkv, tq, tk, window, d, alibi = case
+    q, k, v = make_qkv(b, hq, hkv, tq, tk, d=d, seed=6)
+    slopes = torch.tensor(alibi_slopes(hq)) if alibi else None
     ins = [t.clone().requires_grad_(True) for t in (q, k, v)]
-    out = window_native.window_attention_native(*ins, 20, 2, slopes, lib=built)
+    out = window_native.window_attention_native(*ins, window, hq // hkv, slopes, lib=avx2_lib)
     grad = torch.randn_like(out)
     grads = torch.autograd.grad(out, ins, grad)
     ref_ins = [t.double().requires_grad_(True) for t in (q, k, v)]
-    ref = naive(*ref_ins, slopes=slopes, window=20)
+    ref = naive(*ref_ins, slopes=slopes, window=window)
     ref_grads = torch.autograd.grad(ref, ref_ins, grad.double())
     for got, want in zip((out, *grads), (ref, *ref_grads)):
         torch.testing.assert_close(got.double(), want, atol=2e-5, rtol=0)
@@ -209,6 +260,7 @@ def test_build_is_cached_per_source_compiler_and_cpu(fresh_state, monkeypatch):
     monkeypatch.setattr(subprocess, "run", no_compiler)
     assert window_native.build(cc) == first
     assert window_native.library_name(cc, window_native.FLAGS[:-1]) != first.name
+    assert window_native.library_name(["ccache", *cc], window_native.FLAGS) != first.name
     assert not list(first.parent.glob("*.tmp"))
 
 
@@ -219,7 +271,7 @@ def test_no_compiler_or_a_failed_build_falls_back(fresh_state, monkeypatch, coun
     want = naive(q, k, v, window=8).float()
     monkeypatch.setenv("CC", "no-such-compiler-here")
     torch.testing.assert_close(sliding_window_attention(q, k, v, 8), want, atol=2e-6, rtol=0)
-    assert "no C compiler" in window_native.unavailable_reason()
+    assert window_native.unavailable_reason() == "CC=no-such-compiler-here not found"
     window_native.forget()
     script = fresh_state / "badcc"
     script.write_text("#!/bin/sh\necho 'fatal error: no such header' >&2\nexit 1\n")
@@ -254,3 +306,13 @@ def test_memory_is_linear_in_length(lib):
     assert large <= 2.2 * small, (small, large)
     # Outputs (out, dq, dk, dv, lse) and the buffers: far below one head's L×L scores.
     assert large < 12 * 2 * 4096 * 64 * 4, large
+
+
+def test_cc_may_carry_a_launcher(fresh_state, monkeypatch):
+    """``CC="ccache gcc"``-style commands keep every word."""
+    cc = window_native.compiler()
+    if cc is None or shutil.which("env") is None:
+        pytest.skip("no C compiler or no env")
+    monkeypatch.setenv("CC", f"env {cc[0]}")
+    assert window_native.compiler() == [shutil.which("env"), cc[0]]
+    assert window_native.library() is not None, window_native.unavailable_reason()

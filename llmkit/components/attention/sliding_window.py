@@ -149,8 +149,7 @@ class SlidingWindowAttention(AttentionKernel):
         """Which path this component takes on this machine (``llmkit show``)."""
         return (
             f"{runtime.describe_backend(NAME)}; CPU tensors without key padding or dropout: "
-            f"the compiled C kernel (llmkit.kernels.window_native, {window_native.ENV}=0 "
-            "turns it off)"
+            f"{window_native.describe()}"
         )
 
     def extra_repr(self) -> str:
