@@ -220,6 +220,8 @@ def window_attention_native(
     without key padding and dropout, shapes already checked (``groups`` = Hq // Hkv).
     ``lib``: a library from :func:`load` (default :func:`library`; check :func:`supports`
     first)."""
+    if window < 1:
+        raise ValueError(f"window must be ≥ 1, got {window}")
     lib = lib if lib is not None else library()
     if lib is None:
         raise RuntimeError(f"the compiled window kernel is unavailable: {unavailable_reason()}")

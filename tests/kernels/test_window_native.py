@@ -174,6 +174,8 @@ def test_tensors_elsewhere_and_another_default_device(lib, count_calls):
 
 def test_slopes_must_be_one_per_query_head(lib):
     q, k, v = make_qkv(1, 4, 2, 24, 24, d=64)
+    with pytest.raises(ValueError, match="window must be"):
+        window_native.window_attention_native(q, k, v, 0, 2)
     for slopes in (torch.ones(3), torch.ones(2), torch.ones(4, 1)):
         with pytest.raises(ValueError, match="one per query head"):
             window_native.window_attention_native(q, k, v, 8, 2, slopes)
