@@ -223,14 +223,15 @@ static Tile tile_at(int i0, int Tq, int Tk, int W) {
     return t;
 }
 
-/* Rows r ≥ rows of a (RT × D) tile copy are zeros; returns Σ_d x·y per row if y given. */
+/* dst: the tile's `rows` rows of src (D floats each), then zero rows up to RT. */
 static void copy_rows(const float *src, int rows, int D, float *dst) {
     memcpy(dst, src, (size_t)rows * D * sizeof(float));
     memset(dst + rows * D, 0, (size_t)(RT - rows) * D * sizeof(float));
 }
 
-/* The logits of row r, log2 units: s·scale·log2e − slope·log2e·(distance), masked to the
- * window (lanes outside it: −inf or, with zero_out, whatever; the caller masks). */
+/* The logits of lanes j0 … j0+VL−1 of a score row whose query sits at span column b, in log2
+ * units: s·scale·log2e − slope·log2e·(b − j). Lanes outside the window are not masked here:
+ * the caller masks them. */
 static inline vf logits(const float *row, int j0, float c, float sl, int b) {
     vi idx = iota() + j0;
     vf dist = __builtin_convertvector((vi){0} + b - idx, vf);
