@@ -165,8 +165,9 @@ def library() -> ctypes.CDLL | None:
 
 def describe() -> str:
     """One line: whether the kernel runs here, building it if needed (``llmkit show``)."""
-    if library() is not None:
-        lanes = _STATE["lib"].llmkit_window_lanes()
+    lib = library()
+    if lib is not None:
+        lanes = lib.llmkit_window_lanes()
         return (
             f"the compiled C kernel (llmkit.kernels.window_native; head dims a multiple of {lanes})"
         )

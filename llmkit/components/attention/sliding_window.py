@@ -76,9 +76,7 @@ def sliding_window_attention(
         return q.clone()
     if chunk is None and window_native.supports(q, k, v, key_padding_mask, dropout_p):
         slopes = None if bias is None else bias.slopes
-        return window_native.window_attention_native(
-            q, k, v, min(window, k.shape[2]), groups, slopes
-        )
+        return window_native.window_attention_native(q, k, v, window, groups, slopes)
     return block_local_attention(
         q,
         k,
