@@ -1,8 +1,10 @@
 /* Causal sliding-window attention in fp32 on the CPU: forward and backward, O(L·W).
  *
  * Compiled on first use by llmkit/kernels/window_native.py for the CPU it runs on
- * (-march=native) and called through ctypes, one (batch, kv head) pair a call; the Python
- * module splits the pairs over threads. A query at key position p attends p−W+1 … p.
+ * (-march=native, with OpenMP where the compiler has it) and called through ctypes, once
+ * for a range of (batch, kv head) pairs: an OpenMP build splits them over threads, in the
+ * OpenMP runtime torch already loaded (so over its intra-op threads, not beside them).
+ * A query at key position p attends p−W+1 … p.
  *
  * Rows of queries go in tiles of RT. A tile's keys are one span of at most W+RT−1 keys, so
  * the scores of a tile (RT × span) stay in L1/L2 and the work wasted on keys outside a row's
@@ -21,6 +23,9 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #if !defined(__AVX512F__) && !(defined(__AVX2__) && defined(__FMA__))
 #error "the window kernel needs AVX2 with FMA, or AVX-512 (x86-64)"
@@ -241,7 +246,7 @@ static inline vf logits(const float *row, int j0, float c, float sl, int b) {
 /* Forward of one kv head and its G query heads (Tq × D each, consecutive): o (G, Tq, D),
  * lse (G, Tq) natural-log row log-sum-exp of the scaled, biased scores. slopes: G ALiBi
  * slopes or NULL. work: llmkit_window_work(Tk, D, W, 0) floats. */
-void llmkit_window_forward(const float *q, const float *k, const float *v, const float *slopes,
+static void forward_pair(const float *q, const float *k, const float *v, const float *slopes,
                            float *o, float *lse, int G, int Tq, int Tk, int D, int W, float scale,
                            float *work) {
     const int first = Tk - Tq - W + 1 > 0 ? Tk - Tq - W + 1 : 0; /* the first key attended */
@@ -298,7 +303,7 @@ void llmkit_window_forward(const float *q, const float *k, const float *v, const
 /* Backward of one kv head and its G query heads: dq (G, Tq, D) written, dk and dv (Tk, D)
  * accumulated into (zero them first). lse from the forward. work:
  * llmkit_window_work(Tk, D, W, 1) floats. */
-void llmkit_window_backward(const float *q, const float *k, const float *v, const float *slopes,
+static void backward_pair(const float *q, const float *k, const float *v, const float *slopes,
                             const float *o, const float *dout, const float *lse, float *dq,
                             float *dk, float *dv, int G, int Tq, int Tk, int D, int W,
                             float scale, float *work) {
@@ -345,5 +350,54 @@ void llmkit_window_backward(const float *q, const float *k, const float *v, cons
             cols_acc(P, ls, dot, t.rows, t.n, D, dv + (long)t.lo * D);
             cols_acc(dS, ls, qt, t.rows, t.n, D, dk + (long)t.lo * D);
         }
+    }
+}
+
+/* 1 when built with OpenMP: the calls below then split their pairs over `threads`. */
+int llmkit_window_openmp(void) {
+#ifdef _OPENMP
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* The work buffer of the thread running a pair: `floats` each. */
+static float *thread_work(float *work, long floats) {
+#ifdef _OPENMP
+    return work + omp_get_thread_num() * floats;
+#else
+    (void)floats;
+    return work;
+#endif
+}
+
+/* Forward of pairs p0 … p1−1 of (B·Hkv) (batch, kv head) pairs. Every tensor contiguous and
+ * given from pair 0: q and o (B, Hkv·G, Tq, D), lse (B, Hkv·G, Tq), k and v (B, Hkv, Tk, D),
+ * slopes (Hkv·G) or NULL. work: `threads` buffers of `floats` ≥ llmkit_window_work(…, 0).
+ * Each pair writes only its own rows, so results do not depend on the thread count. */
+void llmkit_window_forward(const float *q, const float *k, const float *v, const float *slopes,
+                           float *o, float *lse, int p0, int p1, int Hkv, int G, int Tq, int Tk,
+                           int D, int W, float scale, float *work, long floats, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+    for (int p = p0; p < p1; p++) {
+        const long qo = (long)p * G * Tq * D, ko = (long)p * Tk * D;
+        forward_pair(q + qo, k + ko, v + ko, slopes ? slopes + (p % Hkv) * G : NULL, o + qo,
+                     lse + (long)p * G * Tq, G, Tq, Tk, D, W, scale, thread_work(work, floats));
+    }
+}
+
+/* Backward of pairs p0 … p1−1, laid out as for the forward; dout and dq as q, dk and dv as k
+ * (zeroed by the caller). work: `threads` buffers of `floats` ≥ llmkit_window_work(…, 1). */
+void llmkit_window_backward(const float *q, const float *k, const float *v, const float *slopes,
+                            const float *o, const float *dout, const float *lse, float *dq,
+                            float *dk, float *dv, int p0, int p1, int Hkv, int G, int Tq, int Tk,
+                            int D, int W, float scale, float *work, long floats, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+    for (int p = p0; p < p1; p++) {
+        const long qo = (long)p * G * Tq * D, ko = (long)p * Tk * D;
+        backward_pair(q + qo, k + ko, v + ko, slopes ? slopes + (p % Hkv) * G : NULL, o + qo,
+                      dout + qo, lse + (long)p * G * Tq, dq + qo, dk + ko, dv + ko, G, Tq, Tk,
+                      D, W, scale, thread_work(work, floats));
     }
 }

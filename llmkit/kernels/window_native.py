@@ -12,10 +12,13 @@ C/W = 1/8 at W = 256 and runs each of its seven products as a separate batched m
 ``gcc`` or ``clang``) with ``-O3 -march=native`` into the cache (``$LLMKIT_CACHE_DIR/kernels``,
 see :func:`llmkit.files.store_root`), under a name that hashes the source, the compiler,
 its flags and the CPU's flags, so a cache shared between machines never loads a library
-built for another CPU. The library is loaded with ctypes; a call releases the GIL, so the
-(batch, kv head) pairs run on :mod:`llmkit.kernels.worker_threads`. Where no compiler is
-found or the build fails, :func:`library` returns None (:func:`unavailable_reason` says
-why) and the PyTorch path runs; ``LLMKIT_NATIVE_KERNELS=0`` turns the kernel off.
+built for another CPU. It is built with OpenMP where the compiler has it: one call then
+splits the (batch, kv head) pairs over torch's own intra-op threads (the library binds to
+the OpenMP runtime torch loaded), so no thread of torch's spins on a core the kernel needs.
+Without OpenMP the pairs run on :mod:`llmkit.kernels.worker_threads` (a call releases the
+GIL). Where no compiler is found or the build fails, :func:`library` returns None
+(:func:`unavailable_reason` says why) and the PyTorch path runs; ``LLMKIT_NATIVE_KERNELS=0``
+turns the kernel off.
 
 **What it takes**: CPU tensors, fp32 (fp16 and bf16 are computed in fp32 and cast back, as
 the PyTorch path does), head dims a multiple of the vector step (32 floats with AVX-512, 16
@@ -42,6 +45,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from llmkit.files import store_root
+from llmkit.kernels import worker_threads
 from llmkit.kernels.worker_threads import run_parts, workers_for
 
 #: Set to ``0`` to keep the compiled kernel off (the PyTorch path runs instead).
@@ -49,6 +53,8 @@ ENV = "LLMKIT_NATIVE_KERNELS"
 SOURCE = Path(__file__).with_name("window_native.c")
 #: Compiler flags of the cached build: tuned for the CPU it runs on.
 FLAGS = ("-O3", "-std=gnu11", "-fPIC", "-shared", "-march=native")
+#: Added to :data:`FLAGS` for the build tried first; without it the pairs run on Python threads.
+OPENMP = ("-fopenmp",)
 #: Seconds a build may take (it takes about one).
 BUILD_TIMEOUT = 120
 
@@ -135,10 +141,12 @@ def load(path: Path) -> ctypes.CDLL:
     lib.llmkit_window_lanes.restype = _INT
     lib.llmkit_window_work.restype = ctypes.c_long
     lib.llmkit_window_work.argtypes = [_INT, _INT, _INT, _INT]
+    lib.llmkit_window_openmp.restype = _INT
+    tail = [_INT] * 8 + [ctypes.c_float, _PTR, ctypes.c_long, _INT]
     lib.llmkit_window_forward.restype = None
-    lib.llmkit_window_forward.argtypes = [_PTR] * 6 + [_INT] * 5 + [ctypes.c_float, _PTR]
+    lib.llmkit_window_forward.argtypes = [_PTR] * 6 + tail
     lib.llmkit_window_backward.restype = None
-    lib.llmkit_window_backward.argtypes = [_PTR] * 10 + [_INT] * 5 + [ctypes.c_float, _PTR]
+    lib.llmkit_window_backward.argtypes = [_PTR] * 10 + tail
     return lib
 
 
@@ -156,10 +164,13 @@ def library() -> ctypes.CDLL | None:
             elif os.name != "posix":
                 _STATE.update(lib=None, why="built on POSIX systems only")
             else:
-                try:
-                    _STATE.update(lib=load(build(cc)), why=None)
-                except (OSError, RuntimeError) as err:  # no build: the PyTorch path runs
-                    _STATE.update(lib=None, why=f"build failed: {err}")
+                _STATE.update(lib=None, why=None)
+                for flags in (FLAGS + OPENMP, FLAGS):  # a compiler may lack OpenMP
+                    try:
+                        _STATE.update(lib=load(build(cc, flags)), why=None)
+                        break
+                    except (OSError, RuntimeError) as err:  # none: the PyTorch path runs
+                        _STATE["why"] = f"build failed: {err}"
         return _STATE["lib"]
 
 
@@ -168,8 +179,10 @@ def describe() -> str:
     lib = library()
     if lib is not None:
         lanes = lib.llmkit_window_lanes()
+        threads = "OpenMP" if lib.llmkit_window_openmp() else "Python worker"
         return (
-            f"the compiled C kernel (llmkit.kernels.window_native; head dims a multiple of {lanes})"
+            f"the compiled C kernel (llmkit.kernels.window_native; head dims a multiple of "
+            f"{lanes}; {threads} threads)"
         )
     return f"the PyTorch path (compiled kernel unavailable: {unavailable_reason()})"
 
@@ -239,19 +252,33 @@ def window_attention_native(
     return out.to(dtype)
 
 
-def _pairs(q: Tensor, k: Tensor, window: int) -> tuple[list[tuple[int, int]], int]:
-    """One part per (batch, kv head) pair, and the workers for them."""
-    b, hkv, tk = k.shape[0], k.shape[1], k.shape[2]
-    pairs = [(i, i + 1) for i in range(b * hkv)]
-    scores = q.shape[0] * q.shape[1] * q.shape[2] * min(window, tk)
-    return pairs, workers_for(q.device, scores, b * hkv)
+def _threads(lib: ctypes.CDLL, q: Tensor, k: Tensor, window: int) -> int:
+    """Threads for a call's (batch, kv head) pairs. OpenMP: torch's intra-op thread count, at
+    most one a pair, for calls of at least ``PARALLEL_SCORES`` scores, else 1. Without
+    OpenMP, the worker threads' rule (:func:`llmkit.kernels.worker_threads.workers_for`)."""
+    pairs = k.shape[0] * k.shape[1]
+    scores = q.shape[0] * q.shape[1] * q.shape[2] * min(window, k.shape[2])
+    if not lib.llmkit_window_openmp():
+        return workers_for(q.device, scores, pairs)
+    return min(torch.get_num_threads(), pairs) if scores >= worker_threads.PARALLEL_SCORES else 1
 
 
-def _work(state: dict[str, Tensor], floats: int) -> Tensor:
-    buf = state.get("work")
-    if buf is None or buf.numel() < floats:
-        buf = state["work"] = torch.empty(floats, dtype=torch.float32, device="cpu")
-    return buf
+def _each_pair(lib: ctypes.CDLL, call: Any, pairs: int, threads: int, floats: int) -> None:
+    """Runs ``call(p0, p1, work, floats, threads)`` over pairs 0 … ``pairs``−1: one call on
+    ``threads`` OpenMP threads, or (a build without OpenMP) one call a pair on worker threads,
+    each with its own work buffer of ``floats``."""
+    if threads < 2 or lib.llmkit_window_openmp():
+        work = torch.empty(threads * floats, dtype=torch.float32, device="cpu")
+        call(0, pairs, work.data_ptr(), floats, threads)
+        return
+
+    def part(p0: int, p1: int, state: dict[str, Tensor]) -> None:
+        buf = state.get("work")
+        if buf is None:
+            buf = state["work"] = torch.empty(floats, dtype=torch.float32, device="cpu")
+        call(p0, p1, buf.data_ptr(), floats, 1)
+
+    run_parts([(i, i + 1) for i in range(pairs)], threads, part)
 
 
 class _WindowNative(torch.autograd.Function):
@@ -274,18 +301,14 @@ class _WindowNative(torch.autograd.Function):
         floats = lib.llmkit_window_work(min(tk, tq + window - 1), d, window, 0)
         scale = d**-0.5
 
-        def part(p0: int, _p1: int, state: dict[str, Tensor]) -> None:
-            b, h = divmod(p0, hkv)
-            heads = slice(h * groups, (h + 1) * groups)
+        def call(p0: int, p1: int, work: int, floats: int, threads: int) -> None:
             lib.llmkit_window_forward(
-                q[b, heads].data_ptr(), k[b, h].data_ptr(), v[b, h].data_ptr(),
-                None if slopes is None else slopes[heads].data_ptr(),
-                out[b, heads].data_ptr(), lse[b, heads].data_ptr(),
-                groups, tq, tk, d, window, scale, _work(state, floats).data_ptr(),
+                q.data_ptr(), k.data_ptr(), v.data_ptr(),
+                None if slopes is None else slopes.data_ptr(), out.data_ptr(), lse.data_ptr(),
+                p0, p1, hkv, groups, tq, tk, d, window, scale, work, floats, threads,
             )  # fmt: skip
 
-        pairs, workers = _pairs(q, k, window)
-        run_parts(pairs, workers, part)
+        _each_pair(lib, call, bsz * hkv, _threads(lib, q, k, window), floats)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.slopes, ctx.window, ctx.groups, ctx.lib = slopes, window, groups, lib
         return out
@@ -302,17 +325,13 @@ class _WindowNative(torch.autograd.Function):
         floats = lib.llmkit_window_work(min(tk, tq + window - 1), d, window, 1)
         scale = d**-0.5
 
-        def part(p0: int, _p1: int, state: dict[str, Tensor]) -> None:
-            b, h = divmod(p0, hkv)
-            heads = slice(h * groups, (h + 1) * groups)
+        def call(p0: int, p1: int, work: int, floats: int, threads: int) -> None:
             lib.llmkit_window_backward(
-                q[b, heads].data_ptr(), k[b, h].data_ptr(), v[b, h].data_ptr(),
-                None if slopes is None else slopes[heads].data_ptr(),
-                out[b, heads].data_ptr(), grad[b, heads].data_ptr(), lse[b, heads].data_ptr(),
-                dq[b, heads].data_ptr(), dk[b, h].data_ptr(), dv[b, h].data_ptr(),
-                groups, tq, tk, d, window, scale, _work(state, floats).data_ptr(),
+                q.data_ptr(), k.data_ptr(), v.data_ptr(),
+                None if slopes is None else slopes.data_ptr(), out.data_ptr(), grad.data_ptr(),
+                lse.data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr(),
+                p0, p1, hkv, groups, tq, tk, d, window, scale, work, floats, threads,
             )  # fmt: skip
 
-        pairs, workers = _pairs(q, k, window)
-        run_parts(pairs, workers, part)
+        _each_pair(lib, call, q.shape[0] * hkv, _threads(lib, q, k, window), floats)
         return dq, dk, dv, None, None, None, None
