@@ -141,42 +141,41 @@ static void rows_pv(const float *p, int ls, const float *v, int D, int n, float 
     }
 }
 
-/* acc[j][:] += Σ_{r<rows} p[r][j]·x[r][:] for j < n (x: RT rows of D). */
+/* acc[j][:] += Σ_{r<rows} p[r][j]·x[r][:] for the `nk` keys j0 … and head dims d0 … d0+NB−1;
+ * inlined with a constant nk, so its 2·nk accumulators stay in registers. */
+static inline __attribute__((always_inline)) void cols_block(const float *p, int ls,
+                                                             const float *x, int rows, int D,
+                                                             float *acc, int j0, int d0,
+                                                             const int nk) {
+    vf c[NK][2];
+    float *out = acc + (long)j0 * D + d0;
+    for (int j = 0; j < nk; j++) {
+        c[j][0] = load(out + (long)j * D);
+        c[j][1] = load(out + (long)j * D + VL);
+    }
+    for (int r = 0; r < rows; r++) {
+        vf b0 = load(x + r * D + d0), b1 = load(x + r * D + d0 + VL);
+        const float *pr = p + r * ls + j0;
+        for (int j = 0; j < nk; j++) {
+            float y = pr[j];
+            c[j][0] += y * b0;
+            c[j][1] += y * b1;
+        }
+    }
+    for (int j = 0; j < nk; j++) {
+        store(out + (long)j * D, c[j][0]);
+        store(out + (long)j * D + VL, c[j][1]);
+    }
+}
+
+/* acc[j][:] += Σ_{r<rows} p[r][j]·x[r][:] for j < n (x: RT rows of D): blocks of NK keys,
+ * then of 4, then single keys. */
 static void cols_acc(const float *p, int ls, const float *x, int rows, int n, int D, float *acc) {
     for (int d0 = 0; d0 < D; d0 += NB) {
         int j0 = 0;
-        for (; j0 + NK <= n; j0 += NK) {
-            vf c[NK][2];
-            float *out = acc + (long)j0 * D + d0;
-            for (int j = 0; j < NK; j++) {
-                c[j][0] = load(out + (long)j * D);
-                c[j][1] = load(out + (long)j * D + VL);
-            }
-            for (int r = 0; r < rows; r++) {
-                vf b0 = load(x + r * D + d0), b1 = load(x + r * D + d0 + VL);
-                const float *pr = p + r * ls + j0;
-                for (int j = 0; j < NK; j++) {
-                    float y = pr[j];
-                    c[j][0] += y * b0;
-                    c[j][1] += y * b1;
-                }
-            }
-            for (int j = 0; j < NK; j++) {
-                store(out + (long)j * D, c[j][0]);
-                store(out + (long)j * D + VL, c[j][1]);
-            }
-        }
-        for (; j0 < n; j0++) {
-            float *out = acc + (long)j0 * D + d0;
-            vf c0 = load(out), c1 = load(out + VL);
-            for (int r = 0; r < rows; r++) {
-                float y = p[r * ls + j0];
-                c0 += y * load(x + r * D + d0);
-                c1 += y * load(x + r * D + d0 + VL);
-            }
-            store(out, c0);
-            store(out + VL, c1);
-        }
+        for (; j0 + NK <= n; j0 += NK) cols_block(p, ls, x, rows, D, acc, j0, d0, NK);
+        for (; j0 + 4 <= n; j0 += 4) cols_block(p, ls, x, rows, D, acc, j0, d0, 4);
+        for (; j0 < n; j0++) cols_block(p, ls, x, rows, D, acc, j0, d0, 1);
     }
 }
 
@@ -234,13 +233,79 @@ static void copy_rows(const float *src, int rows, int D, float *dst) {
     memset(dst + rows * D, 0, (size_t)(RT - rows) * D * sizeof(float));
 }
 
-/* The logits of lanes j0 … j0+VL−1 of a score row whose query sits at span column b, in log2
- * units: s·scale·log2e − slope·log2e·(b − j). Lanes outside the window are not masked here:
- * the caller masks them. */
-static inline vf logits(const float *row, int j0, float c, float sl, int b) {
+/* The window of a score row whose query sits at span column b: columns a … b, which the
+ * vectors starting at lo … hi (multiples of VL) touch. */
+typedef struct {
+    int a, b, lo, hi;
+} Window;
+
+static inline Window window_of(int b, int W) {
+    Window w = {b - W + 1 < 0 ? 0 : b - W + 1, b, 0, 0};
+    w.lo = w.a / VL * VL;
+    w.hi = b / VL * VL;
+    return w;
+}
+
+/* Lanes of the vector at j0 inside the window (all of them between its edge vectors). */
+static inline vi inside(int j0, Window w) {
+    vi idx = iota() + j0;
+    return (idx >= w.a) & (idx <= w.b);
+}
+
+/* The logits of lanes j0 … j0+VL−1 of a score row, in log2 units: s·scale·log2e, minus
+ * slope·log2e·(b − j) where `alibi` (a constant where inlined). Lanes outside the window are
+ * not masked here: the caller masks the edge vectors. */
+static inline __attribute__((always_inline)) vf logits(const float *row, int j0, float c,
+                                                       float sl, int b, const int alibi) {
+    if (!alibi) return load(row + j0) * c;
     vi idx = iota() + j0;
     vf dist = __builtin_convertvector((vi){0} + b - idx, vf);
     return load(row + j0) * c - sl * dist;
+}
+
+/* Softmax of one score row of npad columns in place (zeros outside the window); returns
+ * the row max of the logits and sets *total to Σ 2^(logit − max). */
+static inline __attribute__((always_inline)) float softmax_row(float *row, int npad, Window w,
+                                                               float c, float sl, float *total,
+                                                               const int alibi) {
+    const vf ninf = splat(-INFINITY);
+    vf m = ninf;
+    for (int j0 = w.lo; j0 <= w.hi; j0 += VL) {
+        vf x = logits(row, j0, c, sl, w.b, alibi);
+        if (j0 == w.lo || j0 == w.hi) x = pick(inside(j0, w), x, ninf);
+        m = pick(x > m, x, m);
+    }
+    const float mx = hmax(m);
+    vf sum = (vf){0};
+    for (int j0 = w.lo; j0 <= w.hi; j0 += VL) {
+        vf e = exp2v(logits(row, j0, c, sl, w.b, alibi) - mx);
+        if (j0 == w.lo || j0 == w.hi) e = pick(inside(j0, w), e, (vf){0});
+        store(row + j0, e);
+        sum += e;
+    }
+    memset(row, 0, w.lo * sizeof(float));
+    memset(row + w.hi + VL, 0, (npad - w.hi - VL) * sizeof(float));
+    *total = hsum(sum);
+    return mx;
+}
+
+/* One row of the backward: P from the logits and the row's log2-sum-exp m (in p, which holds
+ * the scores), dS = P ∘ (dP − δ)·scale (in ds, which holds dP); zeros outside the window. */
+static inline __attribute__((always_inline)) void grad_row(float *p, float *ds, int npad,
+                                                           Window w, float c, float sl, float m,
+                                                           float delta, float scale,
+                                                           const int alibi) {
+    for (int j0 = w.lo; j0 <= w.hi; j0 += VL) {
+        vf e = exp2v(logits(p, j0, c, sl, w.b, alibi) - m);
+        if (j0 == w.lo || j0 == w.hi) e = pick(inside(j0, w), e, (vf){0});
+        store(p + j0, e);
+        store(ds + j0, e * (load(ds + j0) - delta) * scale);
+    }
+    const size_t before = w.lo * sizeof(float), after = (npad - w.hi - VL) * sizeof(float);
+    memset(p, 0, before);
+    memset(ds, 0, before);
+    memset(p + w.hi + VL, 0, after);
+    memset(ds + w.hi + VL, 0, after);
 }
 
 /* Forward of one kv head and its G query heads (Tq × D each, consecutive): o (G, Tq, D),
@@ -255,7 +320,6 @@ static void forward_pair(const float *q, const float *k, const float *v, const f
     float *kt = work, *qt = kt + D * ldk, *s = qt + RT * D;
     transpose_keys(k + (long)first * D, Tk - first, D, kt, ldk);
     const float c = scale * LOG2E;
-    const vf ninf = splat(-INFINITY);
     for (int g = 0; g < G; g++) {
         const float sl = slopes ? slopes[g] * LOG2E : 0.f;
         const float *qh = q + (long)g * Tq * D;
@@ -266,29 +330,14 @@ static void forward_pair(const float *q, const float *k, const float *v, const f
             scores(qt, D, kt + (t.lo - first), ldk, s, ls, t.npad);
             float inv[RT];
             for (int r = 0; r < RT; r++) {
-                float *row = s + r * ls;
+                float *row = s + r * ls, total;
                 if (r >= t.rows) {
                     memset(row, 0, t.npad * sizeof(float));
                     continue;
                 }
-                int b = t.p0 + r - t.lo, a = b - W + 1 < 0 ? 0 : b - W + 1;
-                vf m = ninf;
-                for (int j0 = 0; j0 < t.npad; j0 += VL) {
-                    vi idx = iota() + j0;
-                    vi in = (idx >= a) & (idx <= b);
-                    vf x = pick(in, logits(row, j0, c, sl, b), ninf);
-                    m = pick(x > m, x, m);
-                }
-                float mx = hmax(m);
-                vf sum = (vf){0};
-                for (int j0 = 0; j0 < t.npad; j0 += VL) {
-                    vi idx = iota() + j0;
-                    vi in = (idx >= a) & (idx <= b);
-                    vf e = pick(in, exp2v(logits(row, j0, c, sl, b) - mx), (vf){0});
-                    store(row + j0, e);
-                    sum += e;
-                }
-                float total = hsum(sum);
+                Window w = window_of(t.p0 + r - t.lo, W);
+                float mx = sl != 0.f ? softmax_row(row, t.npad, w, c, sl, &total, 1)
+                                     : softmax_row(row, t.npad, w, c, sl, &total, 0);
                 inv[r] = 1.f / total;
                 lh[i0 + r] = (mx + log2f(total)) / LOG2E;
             }
@@ -334,17 +383,15 @@ static void backward_pair(const float *q, const float *k, const float *v, const 
                     continue;
                 }
                 const float *orow = oh + (long)(i0 + r) * D;
-                float delta = 0.f; /* δ = Σ dO·O */
-                for (int d = 0; d < D; d++) delta += dot[r * D + d] * orow[d];
-                int b = t.p0 + r - t.lo, a = b - W + 1 < 0 ? 0 : b - W + 1;
+                vf dsum = (vf){0}; /* δ = Σ dO·O */
+                for (int d = 0; d < D; d += VL) dsum += load(dot + r * D + d) * load(orow + d);
+                const float delta = hsum(dsum);
+                Window w = window_of(t.p0 + r - t.lo, W);
                 float m = lh[i0 + r] * LOG2E;
-                for (int j0 = 0; j0 < t.npad; j0 += VL) {
-                    vi idx = iota() + j0;
-                    vi in = (idx >= a) & (idx <= b);
-                    vf p = pick(in, exp2v(logits(pr, j0, c, sl, b) - m), (vf){0});
-                    store(pr + j0, p);
-                    store(sr + j0, p * (load(sr + j0) - delta) * scale);
-                }
+                if (sl != 0.f)
+                    grad_row(pr, sr, t.npad, w, c, sl, m, delta, scale, 1);
+                else
+                    grad_row(pr, sr, t.npad, w, c, sl, m, delta, scale, 0);
             }
             rows_pv(dS, ls, k + (long)t.lo * D, D, t.n, dqh + (long)i0 * D, t.rows);
             cols_acc(P, ls, dot, t.rows, t.n, D, dv + (long)t.lo * D);

@@ -5,6 +5,7 @@ an AVX2 build; the component's dispatch to it; its build, cache and fallbacks.""
 from __future__ import annotations
 
 import platform
+import shlex
 import shutil
 import subprocess
 
@@ -85,6 +86,19 @@ def test_matches_reference(lib, count_calls, case, alibi):
     assert count_calls == {"native": 1, "block_local": 0}
 
 
+def test_huge_scores_outside_the_window_change_nothing(lib):
+    """Keys just after a query (the future) or just before its window score far above every
+    key inside it: the softmax max is taken inside the window only, else the row's terms
+    underflow to nothing."""
+    q, k, v = make_qkv(1, 2, 2, 64, 64, d=64, seed=9)
+    window = 16
+    unit = q / q.norm(dim=-1, keepdim=True)
+    k[:, :, 1:] += 200.0 * unit[:, :, :-1]  # key i+1: logit ≈ 200 for query i, outside
+    k[:, :, :-window] += 200.0 * unit[:, :, window:]  # key i−W: the same for query i
+    got = window_native.window_attention_native(q, k, v, window, 1)
+    torch.testing.assert_close(got.double(), naive(q, k, v, window=window), atol=1e-4, rtol=1e-4)
+
+
 def test_threads_give_the_inline_results(lib, monkeypatch):
     """The (batch, kv head) pairs on worker threads give the inline results bit for bit."""
     q, k, v = make_qkv(2, 4, 2, 70, 70, d=64, seed=1)
@@ -102,6 +116,81 @@ def test_threads_give_the_inline_results(lib, monkeypatch):
         torch.set_num_threads(before)
     for inline, threaded in zip(*results):
         assert torch.equal(inline, threaded)
+
+
+def _loaded_gomp() -> list[str]:
+    """Paths of the OpenMP runtimes (libgomp) mapped into this process (Linux)."""
+    with open("/proc/self/maps") as maps:
+        return sorted({line.split()[-1] for line in maps if "libgomp" in line.split()[-1]})
+
+
+def test_openmp_build_runs_on_torchs_runtime(lib):
+    """Where the compiler has OpenMP the library is built with it, and it binds to the OpenMP
+    runtime torch loaded (one libgomp in the process), so its threads are torch's."""
+    cc = window_native.compiler()
+    try:
+        window_native.build(cc, window_native.FLAGS + window_native.OPENMP)
+    except RuntimeError:
+        pytest.skip("this compiler has no OpenMP")
+    assert lib.llmkit_window_openmp() == 1
+    assert "OpenMP threads" in window_native.describe()
+    if platform.system() == "Linux" and _loaded_gomp():
+        assert len(_loaded_gomp()) == 1, _loaded_gomp()
+
+
+def test_a_build_without_openmp_runs_pairs_on_worker_threads(lib, monkeypatch, tmp_path):
+    """A build without OpenMP gives the OpenMP build's results bit for bit, its pairs on
+    Python worker threads."""
+    cc = window_native.compiler()
+    serial = window_native.load(window_native.build(cc, window_native.FLAGS, tmp_path))
+    assert serial.llmkit_window_openmp() == 0
+    runs = []
+
+    def spy(*args):
+        runs.append(args)
+        return real(*args)
+
+    real = worker_threads.run_parts
+    monkeypatch.setattr(window_native, "run_parts", spy)
+    monkeypatch.setattr(worker_threads, "PARALLEL_SCORES", 0)
+    q, k, v = make_qkv(2, 4, 2, 70, 70, d=64, seed=2)
+    grad = torch.randn_like(q)
+    slopes = torch.tensor(alibi_slopes(4))
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        results = []
+        for built in (lib, serial):
+            ins = [t.clone().requires_grad_(True) for t in (q, k, v)]
+            out = window_native.window_attention_native(*ins, 20, 2, slopes, lib=built)
+            results.append((out, *torch.autograd.grad(out, ins, grad)))
+    finally:
+        torch.set_num_threads(before)
+    assert [(len(parts), workers) for parts, workers, _ in runs] == [(4, 2), (4, 2)]
+    for openmp, threads in zip(*results):
+        assert torch.equal(openmp, threads)
+
+
+def test_a_compiler_without_openmp_still_builds_it(fresh_state, monkeypatch):
+    """A compiler that rejects -fopenmp: the library is built without it and runs."""
+    cc = window_native.compiler()
+    if cc is None:
+        pytest.skip("no C compiler")
+    script = fresh_state / "noomp"
+    script.write_text(
+        '#!/bin/sh\nfor a in "$@"; do [ "$a" = -fopenmp ] && '
+        "{ echo 'error: unsupported option -fopenmp' >&2; exit 1; }; done\n"
+        f'exec {shlex.join(cc)} "$@"\n'
+    )
+    script.chmod(0o755)
+    monkeypatch.setenv("CC", str(script))
+    built = window_native.library()
+    assert built is not None, window_native.unavailable_reason()
+    assert built.llmkit_window_openmp() == 0
+    assert "Python worker threads" in window_native.describe()
+    q, k, v = make_qkv(1, 2, 2, 40, 40, d=64, seed=4)
+    got = window_native.window_attention_native(q, k, v, 9, 1, lib=built)
+    torch.testing.assert_close(got.double(), naive(q, k, v, window=9), atol=2e-6, rtol=0)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
