@@ -106,15 +106,22 @@ def library_name(cc: list[str], flags: tuple[str, ...]) -> str:
     return f"window_native-{key.hexdigest()[:20]}{suffix}"
 
 
+def built_path(cc: list[str], flags: tuple[str, ...], directory: Path | None = None) -> Path:
+    """Where :func:`build` puts the library for ``cc`` and ``flags`` (default directory: the
+    cache's ``kernels``)."""
+    folder = directory if directory is not None else store_root() / "kernels"
+    return folder / library_name(cc, flags)
+
+
 def build(cc: list[str], flags: tuple[str, ...] = FLAGS, directory: Path | None = None) -> Path:
     """The library compiled from the source with the command ``cc`` and ``flags`` into
     ``directory`` (default: the cache's ``kernels``), reused if already there. Raises
     RuntimeError with the compiler's first error line if it fails or takes over
     :data:`BUILD_TIMEOUT` seconds."""
-    folder = directory if directory is not None else store_root() / "kernels"
-    path = folder / library_name(cc, flags)
+    path = built_path(cc, flags, directory)
     if path.exists():
         return path
+    folder = path.parent
     folder.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     cmd = [*cc, *flags, "-o", str(tmp), str(SOURCE), "-lm"]
@@ -165,7 +172,9 @@ def library() -> ctypes.CDLL | None:
                 _STATE.update(lib=None, why="built on POSIX systems only")
             else:
                 _STATE.update(lib=None, why=None)
-                for flags in (FLAGS + OPENMP, FLAGS):  # a compiler may lack OpenMP
+                choices = (FLAGS + OPENMP, FLAGS)  # a compiler may lack OpenMP
+                cached = [f for f in choices if built_path(cc, f).exists()]
+                for flags in cached or choices:  # a cached build before compiling again
                     try:
                         _STATE.update(lib=load(build(cc, flags)), why=None)
                         break

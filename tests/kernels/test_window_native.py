@@ -172,7 +172,8 @@ def test_a_build_without_openmp_runs_pairs_on_worker_threads(lib, monkeypatch, t
 
 
 def test_a_compiler_without_openmp_still_builds_it(fresh_state, monkeypatch):
-    """A compiler that rejects -fopenmp: the library is built without it and runs."""
+    """A compiler that rejects -fopenmp: the library is built without it, runs, and is
+    loaded from the cache next time."""
     cc = window_native.compiler()
     if cc is None:
         pytest.skip("no C compiler")
@@ -191,6 +192,15 @@ def test_a_compiler_without_openmp_still_builds_it(fresh_state, monkeypatch):
     q, k, v = make_qkv(1, 2, 2, 40, 40, d=64, seed=4)
     got = window_native.window_attention_native(q, k, v, 9, 1, lib=built)
     torch.testing.assert_close(got.double(), naive(q, k, v, window=9), atol=2e-6, rtol=0)
+    # The next process loads that build from the cache without trying -fopenmp again.
+    window_native.forget()
+
+    def no_compiler(*args, **kwargs):
+        raise AssertionError("compiled again")
+
+    monkeypatch.setattr(subprocess, "run", no_compiler)
+    again = window_native.library()
+    assert again is not None and again.llmkit_window_openmp() == 0
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
