@@ -220,6 +220,26 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+#: The CPU flags that decide matrix speed: AVX2 with FMA, AVX-512, AVX512-BF16, AMX.
+MATRIX_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+
+
+def cpu_flags(cpuinfo: str | None = None) -> list[str]:
+    """Which of :data:`MATRIX_FLAGS` this CPU reports (``cpuinfo``: the text of Linux
+    ``/proc/cpuinfo``, read if not given; none where it cannot be read), in that order, for
+    the record of every measurement."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return []
+    for line in cpuinfo.splitlines():
+        if line.startswith("flags"):
+            have = set(line.split(":", 1)[1].split())
+            return [flag for flag in MATRIX_FLAGS if flag in have]
+    return []
+
+
 def measure_matmul_flops(dtype: torch.dtype, n: int = 512, seconds: float = 0.2) -> float:
     """Best observed FLOP/s of an n×n matmul on CPU over about ``seconds``."""
     gen = torch.Generator().manual_seed(0)  # leaves the global RNG (dropout, data) alone

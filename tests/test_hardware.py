@@ -129,3 +129,14 @@ def test_auto_takes_bf16_on_a_cpu_only_where_the_models_products_gain(
     assert hardware.choose_precision("fp32", cpu, (768, 128, 512), cache) == "fp32"
     monkeypatch.setattr(hardware, "cpu_has_fast_bf16", lambda: False)
     assert hardware.choose_precision("auto", cpu, (4096, 384, 1536), cache) == "fp32"
+
+
+def test_cpu_flags_name_the_matrix_flags_in_a_fixed_order():
+    """From /proc/cpuinfo's flags line, the matrix-relevant ones, in MATRIX_FLAGS order."""
+    info = "model name\t: Some CPU\nflags\t\t: fpu amx_tile sse2 avx512_bf16 avx2 fma\n"
+    assert hardware.cpu_flags(info) == ["avx2", "fma", "avx512_bf16", "amx_tile"]
+    assert hardware.cpu_flags("model name\t: no flags line\n") == []
+    here = hardware.cpu_flags()
+    assert set(here) <= set(hardware.MATRIX_FLAGS)
+    if Path("/proc/cpuinfo").exists() and "avx2" in Path("/proc/cpuinfo").read_text():
+        assert "avx2" in here

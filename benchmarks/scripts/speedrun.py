@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import re
 import statistics
 import subprocess
@@ -62,14 +61,12 @@ def cpu_facts() -> dict[str, object]:
     """The CPU model, its matrix-relevant flags, torch's version and thread count."""
     import torch
 
-    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    model = re.search(r"model name\s*:\s*(.+)", info)
-    flags = set((re.search(r"flags\s*:\s*(.+)", info) or [None, ""])[1].split())
-    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+    from llmkit.hardware import cpu_flags, cpu_name
+
     return {
-        "cpu": model.group(1).strip() if model else platform.processor(),
+        "cpu": cpu_name(),
         "cores": os.cpu_count(),
-        "flags": [f for f in wanted if f in flags],
+        "flags": cpu_flags(),
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
     }

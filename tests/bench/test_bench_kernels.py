@@ -13,6 +13,7 @@ import torch
 from rich.console import Console
 from torch import Tensor
 
+from llmkit import hardware
 from llmkit.bench import kernels as bk
 from llmkit.cli import main
 from llmkit.components.attention.sdpa import SDPAttention
@@ -221,6 +222,7 @@ def test_json_png_and_tables(tmp_path):
     path = bk.write_json(records, tmp_path / "a" / "r.json", meta)
     data = json.loads(path.read_text())
     assert data["meta"]["flops"] == bk.ATTENTION_FLOPS and data["meta"]["torch"]
+    assert data["meta"]["cpu_flags"] == hardware.cpu_flags()
     assert len(data["records"]) == len(records)
     png = bk.plot(records, tmp_path / "r.png")
     assert png.read_bytes()[:8] == PNG_MAGIC and png.stat().st_size > 10_000

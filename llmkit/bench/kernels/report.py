@@ -14,6 +14,7 @@ import torch
 from llmkit.bench.kernels.adapters import ATTENTION_ADAPTER, Column, KernelBench, adapter_for
 from llmkit.bench.kernels.flops import MODES
 from llmkit.bench.kernels.timing import CPU_MEMORY, CUDA_MEMORY, device_name, dtype_name
+from llmkit.hardware import cpu_flags
 
 
 def meta(kind: str, device: str, dtype: torch.dtype, **extra: Any) -> dict[str, Any]:
@@ -37,6 +38,7 @@ def meta(kind: str, device: str, dtype: torch.dtype, **extra: Any) -> dict[str, 
         "flops": adapter.work if adapter.rate == "tflops" else None,
         "bytes": adapter.work if adapter.rate == "gbps" else None,
         "memory": CUDA_MEMORY if device == "cuda" else CPU_MEMORY,
+        "cpu_flags": cpu_flags(),
         **extra,
     }
 

@@ -5,14 +5,14 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import platform
 import sys
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import torch
+
+from llmkit.hardware import cpu_name
 
 CPU_MEMORY = "torch.profiler(profile_memory=True): peak of the CPU allocator's running total"
 CUDA_MEMORY = "torch.cuda.max_memory_allocated above the allocation before the call"
@@ -51,13 +51,7 @@ def device_name(device: str) -> str:
     """The GPU's name, or the CPU's model name."""
     if device == "cuda":
         return torch.cuda.get_device_name()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    return cpu_name()
 
 
 def sync(device: str) -> None:
