@@ -206,10 +206,11 @@ static long key_columns(int keys) { return (long)keys + NB; }
 /* Head dims must be a multiple of this. */
 int llmkit_window_lanes(void) { return NB; }
 
-/* Floats of the work buffer a forward (backward) call needs (at most; Tq ≤ Tk). */
-long llmkit_window_work(int Tk, int D, int W, int backward) {
+/* Floats of the work buffer a thread of a forward (backward) call needs, for `keys` keys
+ * attended: min(Tk, Tq + W − 1), the keys from the first one a window reaches. */
+long llmkit_window_work(int keys, int D, int W, int backward) {
     long copies = backward ? 2 : 1; /* kᵀ, q tile, scores (and vᵀ, dO tile, dS) */
-    return copies * ((long)D * key_columns(Tk) + (long)RT * D + (long)RT * span_stride(W));
+    return copies * ((long)D * key_columns(keys) + (long)RT * D + (long)RT * span_stride(W));
 }
 
 /* A tile of rows i0 … i0+rows−1 (query key positions p0 …): its span lo … lo+n−1. */
@@ -310,7 +311,7 @@ static inline __attribute__((always_inline)) void grad_row(float *p, float *ds, 
 
 /* Forward of one kv head and its G query heads (Tq × D each, consecutive): o (G, Tq, D),
  * lse (G, Tq) natural-log row log-sum-exp of the scaled, biased scores. slopes: G ALiBi
- * slopes or NULL. work: llmkit_window_work(Tk, D, W, 0) floats. */
+ * slopes or NULL. work: llmkit_window_work(keys attended, D, W, 0) floats. */
 static void forward_pair(const float *q, const float *k, const float *v, const float *slopes,
                            float *o, float *lse, int G, int Tq, int Tk, int D, int W, float scale,
                            float *work) {
@@ -351,7 +352,7 @@ static void forward_pair(const float *q, const float *k, const float *v, const f
 
 /* Backward of one kv head and its G query heads: dq (G, Tq, D) written, dk and dv (Tk, D)
  * accumulated into (zero them first). lse from the forward. work:
- * llmkit_window_work(Tk, D, W, 1) floats. */
+ * llmkit_window_work(keys attended, D, W, 1) floats. */
 static void backward_pair(const float *q, const float *k, const float *v, const float *slopes,
                             const float *o, const float *dout, const float *lse, float *dq,
                             float *dk, float *dv, int G, int Tq, int Tk, int D, int W,

@@ -28,6 +28,7 @@ path). Speed, against the PyTorch path and SDPA: docs/benchmarks.md.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import os
@@ -113,11 +114,15 @@ def built_path(cc: list[str], flags: tuple[str, ...], directory: Path | None = N
     return folder / library_name(cc, flags)
 
 
+class CompileError(RuntimeError):
+    """The compiler ran and rejected the source or its flags (not a timeout or a crash)."""
+
+
 def build(cc: list[str], flags: tuple[str, ...] = FLAGS, directory: Path | None = None) -> Path:
     """The library compiled from the source with the command ``cc`` and ``flags`` into
     ``directory`` (default: the cache's ``kernels``), reused if already there. Raises
-    RuntimeError with the compiler's first error line if it fails or takes over
-    :data:`BUILD_TIMEOUT` seconds."""
+    :class:`CompileError` with the compiler's first error line if it rejects them, and
+    RuntimeError if it cannot run or takes over :data:`BUILD_TIMEOUT` seconds."""
     path = built_path(cc, flags, directory)
     if path.exists():
         return path
@@ -137,7 +142,7 @@ def build(cc: list[str], flags: tuple[str, ...] = FLAGS, directory: Path | None 
         tmp.unlink(missing_ok=True)
         errors = [ln for ln in (done.stderr or done.stdout).splitlines() if "error" in ln.lower()]
         first = errors[0].strip() if errors else f"exit status {done.returncode}"
-        raise RuntimeError(f"{name} failed: {first}")
+        raise CompileError(f"{name} failed: {first}")
     os.replace(tmp, path)  # atomic: a concurrent build writes the same bytes
     return path
 
@@ -171,16 +176,49 @@ def library() -> ctypes.CDLL | None:
             elif os.name != "posix":
                 _STATE.update(lib=None, why="built on POSIX systems only")
             else:
-                _STATE.update(lib=None, why=None)
-                choices = (FLAGS + OPENMP, FLAGS)  # a compiler may lack OpenMP
-                cached = [f for f in choices if built_path(cc, f).exists()]
-                for flags in cached or choices:  # a cached build before compiling again
-                    try:
-                        _STATE.update(lib=load(build(cc, flags)), why=None)
-                        break
-                    except (OSError, RuntimeError) as err:  # none: the PyTorch path runs
-                        _STATE["why"] = f"build failed: {err}"
+                try:
+                    _STATE.update(lib=_first_loadable(cc), why=None)
+                except _Unavailable as err:  # none: the PyTorch path runs
+                    _STATE.update(lib=None, why=str(err))
+                except (OSError, RuntimeError) as err:  # the cache or the source unreadable
+                    _STATE.update(lib=None, why=f"build failed: {err}")
         return _STATE["lib"]
+
+
+class _Unavailable(RuntimeError):
+    """Why no build could be loaded (the message is the reason :func:`library` keeps)."""
+
+
+def _first_loadable(cc: list[str]) -> ctypes.CDLL:
+    """The build with OpenMP, else the one without, each from the cache or compiled now. A
+    build the compiler rejected (say ``-fopenmp`` without an OpenMP library) leaves a
+    ``.rejected`` file with its error beside where the library would be, so later processes
+    do not ask again; a timeout or a crash leaves none. Raises the last failure."""
+    failure = _Unavailable("no build tried")
+    for flags in (FLAGS + OPENMP, FLAGS):
+        path = built_path(cc, flags)
+        rejected = path.with_name(f"{path.name}.rejected")
+        if not path.exists() and rejected.exists():
+            failure = _Unavailable(
+                f"build failed earlier: {rejected.read_text().strip()} (delete {rejected} "
+                "to try again)"
+            )
+            continue
+        try:
+            built = build(cc, flags)
+        except CompileError as err:
+            with contextlib.suppress(OSError):  # an unwritable cache only costs a retry
+                rejected.write_text(f"{err}\n")
+            failure = _Unavailable(f"build failed: {err}")
+            continue
+        except RuntimeError as err:
+            failure = _Unavailable(f"build failed: {err}")
+            continue
+        try:
+            return load(built)
+        except OSError as err:  # e.g. an OpenMP runtime this process cannot find
+            failure = _Unavailable(f"load failed: {err}")
+    raise failure
 
 
 def describe() -> str:

@@ -8,6 +8,7 @@ import platform
 import shlex
 import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -74,29 +75,75 @@ CASES = [  # b, hq, hkv, tq, tk, window, d
 ]
 
 
+def _slopes(hq: int, alibi: str) -> torch.Tensor | None:
+    """None, ALiBi's slopes, or ALiBi's with the first head's slope 0 (no bias there)."""
+    if alibi == "plain":
+        return None
+    slopes = torch.tensor(alibi_slopes(hq))
+    if alibi == "mixed":
+        slopes[0] = 0.0
+    return slopes
+
+
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
-@pytest.mark.parametrize("alibi", [False, True], ids=["plain", "alibi"])
+@pytest.mark.parametrize("alibi", ["plain", "alibi", "mixed"])
 def test_matches_reference(lib, count_calls, case, alibi):
     """Output, dq, dk, dv of the component's function on fp32 CPU tensors: the compiled
-    kernel runs, within fp32 rounding of float64 autograd."""
+    kernel runs, within fp32 rounding of float64 autograd (with ALiBi, and with heads with
+    and without a bias in one call)."""
     b, hq, hkv, tq, tk, window, d = case
     q, k, v = make_qkv(b, hq, hkv, tq, tk, d=d, seed=tq + window)
-    slopes = torch.tensor(alibi_slopes(hq)) if alibi else None
+    slopes = _slopes(hq, alibi)
     _grads_vs_reference(q, k, v, window, slopes=slopes, seed=3)
     assert count_calls == {"native": 1, "block_local": 0}
 
 
-def test_huge_scores_outside_the_window_change_nothing(lib):
+@pytest.mark.parametrize("alibi", ["plain", "alibi"])
+def test_huge_scores_outside_the_window_change_nothing(lib, alibi):
     """Keys just after a query (the future) or just before its window score far above every
     key inside it: the softmax max is taken inside the window only, else the row's terms
-    underflow to nothing."""
+    underflow to nothing; the gradients too."""
     q, k, v = make_qkv(1, 2, 2, 64, 64, d=64, seed=9)
     window = 16
     unit = q / q.norm(dim=-1, keepdim=True)
     k[:, :, 1:] += 200.0 * unit[:, :, :-1]  # key i+1: logit ≈ 200 for query i, outside
     k[:, :, :-window] += 200.0 * unit[:, :, window:]  # key i−W: the same for query i
-    got = window_native.window_attention_native(q, k, v, window, 1)
-    torch.testing.assert_close(got.double(), naive(q, k, v, window=window), atol=1e-4, rtol=1e-4)
+    slopes = _slopes(2, alibi)
+    ins = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    out = window_native.window_attention_native(*ins, window, 1, slopes)
+    grad = torch.randn_like(out)
+    ref_ins = [t.double().requires_grad_(True) for t in (q, k, v)]
+    ref = naive(*ref_ins, slopes=slopes, window=window)
+    got = (out, *torch.autograd.grad(out, ins, grad))
+    want = (ref, *torch.autograd.grad(ref, ref_ins, grad.double()))
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g.double(), w, atol=1e-4, rtol=1e-4)
+
+
+def test_work_buffers_are_written_before_they_are_read(lib):
+    """The C calls driven directly with NaN-filled work buffers (two threads' worth) give the
+    component's results bit for bit."""
+    b, hq, hkv, tq, tk, window, d = 2, 4, 2, 37, 50, 20, 64
+    q, k, v = make_qkv(b, hq, hkv, tq, tk, d=d, seed=5)
+    slopes = _slopes(hq, "mixed")
+    grad = torch.randn_like(q)
+    ins = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    out = window_native.window_attention_native(*ins, window, hq // hkv, slopes)
+    want = (out, *torch.autograd.grad(out, ins, grad))
+    keys, scale = min(tk, tq + window - 1), d**-0.5
+    o, lse = torch.empty_like(q), torch.empty(b, hq, tq)
+    dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    ptr = [t.data_ptr() for t in (q, k, v, slopes, o, grad, lse, dq, dk, dv)]
+    shape = (0, b * hkv, hkv, hq // hkv, tq, tk, d, window, scale)
+    for backward in (0, 1):
+        floats = lib.llmkit_window_work(keys, d, window, backward)
+        work = torch.full((2 * floats,), float("nan"))
+        if backward:
+            lib.llmkit_window_backward(*ptr, *shape, work.data_ptr(), floats, 2)
+        else:
+            lib.llmkit_window_forward(*ptr[:5], ptr[6], *shape, work.data_ptr(), floats, 2)
+    for got, expected in zip((o, dq, dk, dv), want):
+        assert torch.equal(got, expected)
 
 
 def test_threads_give_the_inline_results(lib, monkeypatch):
@@ -124,18 +171,22 @@ def _loaded_gomp() -> list[str]:
         return sorted({line.split()[-1] for line in maps if "libgomp" in line.split()[-1]})
 
 
-def test_openmp_build_runs_on_torchs_runtime(lib):
-    """Where the compiler has OpenMP the library is built with it, and it binds to the OpenMP
-    runtime torch loaded (one libgomp in the process), so its threads are torch's."""
-    cc = window_native.compiler()
+def test_openmp_build_runs_on_torchs_runtime(lib, tmp_path):
+    """Where the compiler has OpenMP the library is built with it, and where torch's own
+    OpenMP runtime is ``libgomp.so.1`` (its Linux wheels) the kernel binds to that one: a
+    single libgomp in the process, so its threads are torch's."""
     try:
-        window_native.build(cc, window_native.FLAGS + window_native.OPENMP)
+        window_native.build(window_native.compiler(), window_native.FLAGS + window_native.OPENMP,
+                            tmp_path)  # fmt: skip
     except RuntimeError:
         pytest.skip("this compiler has no OpenMP")
     assert lib.llmkit_window_openmp() == 1
     assert "OpenMP threads" in window_native.describe()
-    if platform.system() == "Linux" and _loaded_gomp():
-        assert len(_loaded_gomp()) == 1, _loaded_gomp()
+    if platform.system() != "Linux":
+        return
+    loaded = _loaded_gomp()
+    if any(Path(path).name == "libgomp.so.1" for path in loaded):
+        assert len(loaded) == 1, loaded
 
 
 def test_a_build_without_openmp_runs_pairs_on_worker_threads(lib, monkeypatch, tmp_path):
@@ -189,6 +240,8 @@ def test_a_compiler_without_openmp_still_builds_it(fresh_state, monkeypatch):
     assert built is not None, window_native.unavailable_reason()
     assert built.llmkit_window_openmp() == 0
     assert "Python worker threads" in window_native.describe()
+    (rejected,) = (fresh_state / "cache" / "kernels").glob("*.rejected")
+    assert "unsupported option -fopenmp" in rejected.read_text()
     q, k, v = make_qkv(1, 2, 2, 40, 40, d=64, seed=4)
     got = window_native.window_attention_native(q, k, v, 9, 1, lib=built)
     torch.testing.assert_close(got.double(), naive(q, k, v, window=9), atol=2e-6, rtol=0)
@@ -201,6 +254,69 @@ def test_a_compiler_without_openmp_still_builds_it(fresh_state, monkeypatch):
     monkeypatch.setattr(subprocess, "run", no_compiler)
     again = window_native.library()
     assert again is not None and again.llmkit_window_openmp() == 0
+
+
+def test_a_one_off_build_failure_is_not_remembered(fresh_state, monkeypatch):
+    """A compile that times out (or crashes) leaves no mark: the next process builds with
+    OpenMP again."""
+    cc = window_native.compiler()
+    if cc is None:
+        pytest.skip("no C compiler")
+    try:
+        window_native.build(cc, window_native.FLAGS + window_native.OPENMP, fresh_state)
+    except RuntimeError:
+        pytest.skip("this compiler has no OpenMP")
+    real = window_native.build
+
+    def timeout_once(cc, flags=window_native.FLAGS, directory=None):
+        if window_native.OPENMP[0] in flags:
+            raise RuntimeError("cc did not finish: timed out")
+        return real(cc, flags, directory)
+
+    monkeypatch.setattr(window_native, "build", timeout_once)
+    assert window_native.library().llmkit_window_openmp() == 0
+    assert not list((fresh_state / "cache" / "kernels").glob("*.rejected"))
+    window_native.forget()
+    monkeypatch.setattr(window_native, "build", real)
+    assert window_native.library().llmkit_window_openmp() == 1
+
+
+def test_a_build_that_does_not_load_falls_back_to_the_other(fresh_state, monkeypatch):
+    """A cached OpenMP build this process cannot load (its runtime missing here): the build
+    without OpenMP runs; if nothing loads, the reason says so."""
+    cc = window_native.compiler()
+    if cc is None:
+        pytest.skip("no C compiler")
+    real = window_native.load
+
+    def no_openmp_runtime(path):
+        if path == window_native.built_path(cc, window_native.FLAGS + window_native.OPENMP):
+            raise OSError("libomp.so: cannot open shared object file")
+        return real(path)
+
+    monkeypatch.setattr(window_native, "load", no_openmp_runtime)
+    built = window_native.library()
+    assert built is not None and built.llmkit_window_openmp() == 0
+    window_native.forget()
+
+    def nothing_loads(path):
+        raise OSError("cannot open shared object file")
+
+    monkeypatch.setattr(window_native, "load", nothing_loads)
+    assert window_native.library() is None
+    assert window_native.unavailable_reason() == "load failed: cannot open shared object file"
+
+
+def test_an_unreadable_source_is_a_reason_not_an_error(fresh_state, monkeypatch):
+    """A failure before any compiler runs (the source missing, the cache unreadable) turns
+    the kernel off with the reason; the PyTorch path runs."""
+    monkeypatch.setattr(window_native, "SOURCE", fresh_state / "missing.c")
+    q, k, v = make_qkv(1, 2, 2, 24, 24, d=64)
+    got = sliding_window_attention(q, k, v, 8)
+    torch.testing.assert_close(got, naive(q, k, v, window=8).float(), atol=2e-6, rtol=0)
+    assert window_native.library() is None
+    assert window_native.unavailable_reason().startswith("build failed: ")
+    assert "missing.c" in window_native.unavailable_reason()
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -329,7 +445,18 @@ AVX2_CASES = [  # b, hq, hkv, tq, tk, window, d, alibi
 
 
 @pytest.mark.parametrize("case", AVX2_CASES, ids=lambda c: "-".join(map(str, c)))
-def test_an_avx2_build_matches_too(avx2_lib, case):
+def test_an_avx2_build_matches_too(avx2_lib, case, monkeypatch):
+    """The AVX2 build (without OpenMP), its pairs on two worker threads."""
+    monkeypatch.setattr(worker_threads, "PARALLEL_SCORES", 0)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        _check_avx2_case(avx2_lib, case)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _check_avx2_case(avx2_lib, case):
     b, hq, hkv, tq, tk, window, d, alibi = case
     q, k, v = make_qkv(b, hq, hkv, tq, tk, d=d, seed=6)
     slopes = torch.tensor(alibi_slopes(hq)) if alibi else None
