@@ -209,15 +209,25 @@ def _measured(cache: Path | None, what: str, measure: Callable[[], float]) -> fl
     return value
 
 
+def cpuinfo_field(keys: tuple[str, ...], cpuinfo: str | None = None) -> str | None:
+    """The value of the first line of Linux ``/proc/cpuinfo`` (or of the text ``cpuinfo``)
+    that starts with one of ``keys``; None where there is none or the file cannot be read."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return None
+    for line in cpuinfo.splitlines():
+        if line.startswith(keys):
+            return line.split(":", 1)[1].strip()
+    return None
+
+
 def cpu_name() -> str:
     """The CPU's model name (Linux ``/proc/cpuinfo``), else :func:`platform.processor`."""
     import platform
 
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
+    return cpuinfo_field(("model name",)) or platform.processor() or platform.machine()
 
 
 #: The CPU flags that decide matrix speed: AVX2 with FMA, AVX-512, AVX512-BF16, AMX.
@@ -228,16 +238,8 @@ def cpu_flags(cpuinfo: str | None = None) -> list[str]:
     """Which of :data:`MATRIX_FLAGS` this CPU reports (``cpuinfo``: the text of Linux
     ``/proc/cpuinfo``, read if not given; none where it cannot be read), in that order, for
     the record of every measurement."""
-    if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            return []
-    for line in cpuinfo.splitlines():
-        if line.startswith("flags"):
-            have = set(line.split(":", 1)[1].split())
-            return [flag for flag in MATRIX_FLAGS if flag in have]
-    return []
+    have = set((cpuinfo_field(("flags",), cpuinfo) or "").split())
+    return [flag for flag in MATRIX_FLAGS if flag in have]
 
 
 def measure_matmul_flops(dtype: torch.dtype, n: int = 512, seconds: float = 0.2) -> float:

@@ -42,8 +42,8 @@ LAYER = {name: i for i, names in enumerate(LAYERS) for name in names}
 #: Narrower than the layers: what these may import (top-level names under ``llmkit``).
 ONLY: dict[str, set[str]] = {
     # Kernels sit beside their references but never reach into components (files: the
-    # cache directory a compiled kernel is built into).
-    "kernels": {"contracts", "ops", "dropout", "kernels", "files"},
+    # cache directory a compiled kernel is built into; hardware: the CPU flags it is built for).
+    "kernels": {"contracts", "ops", "dropout", "kernels", "files", "hardware"},
 }
 
 #: What plugins may import from llmkit: the package itself and these public modules.

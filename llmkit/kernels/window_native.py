@@ -46,6 +46,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from llmkit.files import store_root
+from llmkit.hardware import cpuinfo_field
 from llmkit.kernels import worker_threads
 from llmkit.kernels.worker_threads import run_parts, workers_for
 
@@ -86,13 +87,8 @@ def compiler() -> list[str] | None:
 
 def cpu_flags() -> str:
     """The CPU's feature flags as the OS reports them (Linux: /proc/cpuinfo), else its name."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return f"{platform.machine()} {platform.processor()}"
+    found = cpuinfo_field(("flags", "Features"))
+    return found if found is not None else f"{platform.machine()} {platform.processor()}"
 
 
 def library_name(cc: list[str], flags: tuple[str, ...]) -> str:
