@@ -3,7 +3,7 @@
 The CPU interpreter (``TRITON_INTERPRET=1``, what the tests run) hides what only the GPU
 compiler sees: ``tl.dot`` shape and dtype rules, shared memory over the per-block limit,
 register spills. This script runs the real Python wrapper
-(:class:`llmkit.kernels.flash_attention.FlashAttentionFunction`, forward then backward, with
+(the custom operators ``llmkit::flash_attention_fwd``/``_bwd``, forward then backward, with
 the tile sizes :func:`~llmkit.kernels.flash_attention.block_config` picks on a GPU) on
 empty CPU tensors; every kernel launch is intercepted and compiled by ``triton.compile`` for
 a ``GPUTarget`` (PTX, then a cubin through the ``ptxas`` bundled with Triton) instead of
@@ -131,8 +131,10 @@ def launch_flash(dtype: torch.dtype, head_dim: int, causal: bool, alibi: bool, p
         slopes = torch.full((heads,), 0.5) if alibi else None
         mask = torch.ones(batch, tk, dtype=torch.bool) if pad else None
         kpm = fa._padding_bytes(mask, batch, tk, q.device)
-        out = fa.FlashAttentionFunction.apply(q, k, v, slopes, kpm, causal, window, None)
-        out.backward(torch.empty_like(out))
+        out, lse = fa.flash_attention_fwd(q, k, v, slopes, kpm, causal, window or 0, 0, 0)
+        fa.flash_attention_bwd(
+            torch.empty_like(out), q, k, v, out, lse, slopes, kpm, causal, window or 0, 0, 0
+        )
     finally:
         torch.backends.cuda.matmul.allow_tf32 = saved
 

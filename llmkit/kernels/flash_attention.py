@@ -153,6 +153,9 @@ def _fwd_kernel(
     q_ptrs = Q + offs_m[:, None].to(tl.int64) * stride_qm + offs_d[None, :] * stride_qd
     q = tl.load(q_ptrs, mask=m_valid[:, None] & d_valid[None, :], other=0.0)
 
+    # Scalars typed explicitly: a caller inside torch.compile may pass Python floats as fp64,
+    # and an fp64 value would change the type of the loop-carried m_i/acc.
+    sm_scale = tl.cast(sm_scale, tl.float32)
     qk_scale = sm_scale * 1.4426950408889634  # log2(e): softmax in base 2
     if HAS_BIAS:
         slope = tl.load(SLOPES + off_h).to(tl.float32) * 1.4426950408889634
@@ -317,6 +320,7 @@ def _bwd_dkdv_kernel(
         pad = tl.load(KPM + off_b.to(tl.int64) * stride_kpm + cols, mask=n_valid, other=0)
         keep_n = keep_n & (pad != 0)
 
+    sm_scale = tl.cast(sm_scale, tl.float32)  # fp64 under a compiled caller
     qk_scale = sm_scale * 1.4426950408889634
     # Causal: start at the block of the first query that can see key start_n; with a window,
     # stop after the last query whose window still reaches the last key of the block.
@@ -454,6 +458,7 @@ def _bwd_dq_kernel(
     lse = tl.load(LSE + off_bh.to(tl.int64) * TQ + offs_m, mask=m_valid, other=0.0)
     delta = tl.load(DELTA + off_bh.to(tl.int64) * TQ + offs_m, mask=m_valid, other=0.0)
 
+    sm_scale = tl.cast(sm_scale, tl.float32)  # fp64 under a compiled caller
     qk_scale = sm_scale * 1.4426950408889634
     if HAS_BIAS:
         slope = tl.load(SLOPES + off_h).to(tl.float32) * 1.4426950408889634
@@ -585,7 +590,14 @@ def kernel_supports(q: Tensor, k: Tensor, v: Tensor) -> bool:
     )
 
 
-# --------------------------------------------------------------------------- autograd
+# --------------------------------------------------------------------------- custom operators
+# The kernels run inside two PyTorch custom operators, ``llmkit::flash_attention_fwd`` and
+# ``llmkit::flash_attention_bwd``, each with a fake (meta) implementation and the backward
+# registered as the forward's autograd formula. torch.compile then treats a call as one opaque
+# node of known output shapes (``fullgraph=True`` traces a model through it) instead of
+# tracing into the launcher, whose Python floats it would hand the kernel as fp64. Optional
+# arguments travel in schema-friendly form: ``window`` 0 for none, ``block_m``/``block_n`` 0 for
+# the tile table's choice.
 
 
 def _padding_bytes(key_padding_mask: Tensor | None, b: int, tk: int, device) -> Tensor | None:
@@ -598,160 +610,206 @@ def _padding_bytes(key_padding_mask: Tensor | None, b: int, tk: int, device) -> 
     return key_padding_mask.to(device=device, dtype=torch.uint8).contiguous()
 
 
-class FlashAttentionFunction(torch.autograd.Function):
-    """Autograd wrapper: forward saves (q, k, v, o, lse); backward recomputes P blockwise."""
+def _launch_config(kernel: str, d: int, dtype: torch.dtype, block_m: int, block_n: int):
+    return _config(kernel, d, dtype, (block_m, block_n) if block_m and block_n else None)
 
-    @staticmethod
-    def forward(ctx, q, k, v, slopes, kpm, causal, window, blocks):
-        b, hq, tq, d = q.shape
-        hkv, tk = k.shape[1], k.shape[2]
-        groups = hq // hkv
-        sm_scale = 1.0 / math.sqrt(d)
-        o = torch.empty((b, hq, tq, d), device=q.device, dtype=q.dtype)
-        lse = torch.empty((b, hq, tq), device=q.device, dtype=torch.float32)
-        dummy = lse  # any tensor: pointers behind a False HAS_* flag are never read
-        cfg = _config("fwd", d, q.dtype, blocks)
-        grid = (triton.cdiv(tq, cfg.block_m), hq, b)
-        runtime.kernel(_fwd_kernel)[grid](
-            q,
-            k,
-            v,
-            o,
-            lse,
-            slopes if slopes is not None else dummy,
-            kpm if kpm is not None else dummy,
-            *q.stride(),
-            *k.stride(),
-            *v.stride(),
-            *o.stride(),
-            kpm.stride(0) if kpm is not None else 0,
-            hq,
-            tq,
-            tk,
-            sm_scale,
-            window or 0,
-            GROUPS=groups,
-            HEAD_DIM=d,
-            CAUSAL=causal,
-            HAS_BIAS=slopes is not None,
-            HAS_KPM=kpm is not None,
-            HAS_WINDOW=window is not None,
-            PRECISION=_precision(q.dtype),
-            BLOCK_M=cfg.block_m,
-            BLOCK_N=cfg.block_n,
-            BLOCK_D=_block_d(d),
-            num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages,
-        )
-        ctx.save_for_backward(q, k, v, o, lse, slopes, kpm)
-        ctx.causal = causal
-        ctx.window = window
-        ctx.blocks = blocks
-        return o
 
-    @staticmethod
-    def backward(ctx, do):
-        q, k, v, o, lse, slopes, kpm = ctx.saved_tensors
-        b, hq, tq, d = q.shape
-        hkv, tk = k.shape[1], k.shape[2]
-        groups = hq // hkv
-        sm_scale = 1.0 / math.sqrt(d)
-        block_d = _block_d(d)
-        precision = _precision(q.dtype)
-        flags = {
-            "GROUPS": groups,
-            "HEAD_DIM": d,
-            "CAUSAL": ctx.causal,
-            "HAS_BIAS": slopes is not None,
-            "HAS_KPM": kpm is not None,
-            "HAS_WINDOW": ctx.window is not None,
-            "PRECISION": precision,
-            "BLOCK_D": block_d,
-        }
-        slopes_arg = slopes if slopes is not None else lse
-        kpm_arg = kpm if kpm is not None else lse
-        kpm_stride = kpm.stride(0) if kpm is not None else 0
+@torch.library.custom_op("llmkit::flash_attention_fwd", mutates_args=())
+def flash_attention_fwd(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    slopes: Tensor | None,
+    kpm: Tensor | None,
+    causal: bool,
+    window: int,
+    block_m: int,
+    block_n: int,
+) -> tuple[Tensor, Tensor]:
+    """The forward kernel: output (B, Hq, Tq, D) and the base-2 row log-sum-exp (B, Hq, Tq),
+    fp32. ``window`` 0 means none; ``block_m``/``block_n`` 0 the default tiles."""
+    b, hq, tq, d = q.shape
+    hkv, tk = k.shape[1], k.shape[2]
+    o = torch.empty((b, hq, tq, d), device=q.device, dtype=q.dtype)
+    lse = torch.empty((b, hq, tq), device=q.device, dtype=torch.float32)
+    if tq == 0:
+        return o, lse
+    dummy = lse  # any tensor: pointers behind a False HAS_* flag are never read
+    cfg = _launch_config("fwd", d, q.dtype, block_m, block_n)
+    grid = (triton.cdiv(tq, cfg.block_m), hq, b)
+    runtime.kernel(_fwd_kernel)[grid](
+        q,
+        k,
+        v,
+        o,
+        lse,
+        slopes if slopes is not None else dummy,
+        kpm if kpm is not None else dummy,
+        *q.stride(),
+        *k.stride(),
+        *v.stride(),
+        *o.stride(),
+        kpm.stride(0) if kpm is not None else 0,
+        hq,
+        tq,
+        tk,
+        1.0 / math.sqrt(d),
+        window,
+        GROUPS=hq // hkv,
+        HEAD_DIM=d,
+        CAUSAL=causal,
+        HAS_BIAS=slopes is not None,
+        HAS_KPM=kpm is not None,
+        HAS_WINDOW=window > 0,
+        PRECISION=_precision(q.dtype),
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_D=_block_d(d),
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    return o, lse
 
-        delta = torch.empty_like(lse)
-        pre_m = 16 if runtime.interpreting() else 64
-        runtime.kernel(_bwd_preprocess_kernel)[(triton.cdiv(tq, pre_m), hq, b)](
-            o,
-            do,
-            delta,
-            *o.stride(),
-            *do.stride(),
-            hq,
-            tq,
-            HEAD_DIM=d,
-            BLOCK_M=pre_m,
-            BLOCK_D=block_d,
-        )
 
-        dq = dk = dv = None
-        if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
-            dk = torch.empty_like(k, memory_format=torch.contiguous_format)
-            dv = torch.empty_like(v, memory_format=torch.contiguous_format)
-            cfg = _config("dkdv", d, q.dtype, ctx.blocks)
-            runtime.kernel(_bwd_dkdv_kernel)[(triton.cdiv(tk, cfg.block_n), hkv, b)](
-                q,
-                k,
-                v,
-                do,
-                lse,
-                delta,
-                dk,
-                dv,
-                slopes_arg,
-                kpm_arg,
-                *q.stride(),
-                *k.stride(),
-                *v.stride(),
-                *do.stride(),
-                *dk.stride(),
-                *dv.stride(),
-                kpm_stride,
-                hq,
-                tq,
-                tk,
-                sm_scale,
-                ctx.window or 0,
-                BLOCK_M=cfg.block_m,
-                BLOCK_N=cfg.block_n,
-                num_warps=cfg.num_warps,
-                num_stages=cfg.num_stages,
-                **flags,
-            )
-        if ctx.needs_input_grad[0]:
-            dq = torch.empty_like(q, memory_format=torch.contiguous_format)
-            cfg = _config("dq", d, q.dtype, ctx.blocks)
-            runtime.kernel(_bwd_dq_kernel)[(triton.cdiv(tq, cfg.block_m), hq, b)](
-                q,
-                k,
-                v,
-                do,
-                lse,
-                delta,
-                dq,
-                slopes_arg,
-                kpm_arg,
-                *q.stride(),
-                *k.stride(),
-                *v.stride(),
-                *do.stride(),
-                *dq.stride(),
-                kpm_stride,
-                hq,
-                tq,
-                tk,
-                sm_scale,
-                ctx.window or 0,
-                BLOCK_M=cfg.block_m,
-                BLOCK_N=cfg.block_n,
-                num_warps=cfg.num_warps,
-                num_stages=cfg.num_stages,
-                **flags,
-            )
-        return dq, dk, dv, None, None, None, None, None
+@flash_attention_fwd.register_fake
+def _flash_attention_fwd_fake(q, k, v, slopes, kpm, causal, window, block_m, block_n):
+    b, hq, tq, d = q.shape
+    return q.new_empty((b, hq, tq, d)), q.new_empty((b, hq, tq), dtype=torch.float32)
+
+
+@torch.library.custom_op("llmkit::flash_attention_bwd", mutates_args=())
+def flash_attention_bwd(
+    do: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    o: Tensor,
+    lse: Tensor,
+    slopes: Tensor | None,
+    kpm: Tensor | None,
+    causal: bool,
+    window: int,
+    block_m: int,
+    block_n: int,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The backward kernels: (dq, dk, dv), contiguous, in the input dtype."""
+    b, hq, tq, d = q.shape
+    hkv, tk = k.shape[1], k.shape[2]
+    dq = torch.empty(q.shape, device=q.device, dtype=q.dtype)
+    dk = torch.empty(k.shape, device=k.device, dtype=k.dtype)
+    dv = torch.empty(v.shape, device=v.device, dtype=v.dtype)
+    if tq == 0:
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    sm_scale = 1.0 / math.sqrt(d)
+    block_d = _block_d(d)
+    flags = {
+        "GROUPS": hq // hkv,
+        "HEAD_DIM": d,
+        "CAUSAL": causal,
+        "HAS_BIAS": slopes is not None,
+        "HAS_KPM": kpm is not None,
+        "HAS_WINDOW": window > 0,
+        "PRECISION": _precision(q.dtype),
+        "BLOCK_D": block_d,
+    }
+    slopes_arg = slopes if slopes is not None else lse
+    kpm_arg = kpm if kpm is not None else lse
+    kpm_stride = kpm.stride(0) if kpm is not None else 0
+
+    delta = torch.empty_like(lse)
+    pre_m = 16 if runtime.interpreting() else 64
+    runtime.kernel(_bwd_preprocess_kernel)[(triton.cdiv(tq, pre_m), hq, b)](
+        o,
+        do,
+        delta,
+        *o.stride(),
+        *do.stride(),
+        hq,
+        tq,
+        HEAD_DIM=d,
+        BLOCK_M=pre_m,
+        BLOCK_D=block_d,
+    )
+    cfg = _launch_config("dkdv", d, q.dtype, block_m, block_n)
+    runtime.kernel(_bwd_dkdv_kernel)[(triton.cdiv(tk, cfg.block_n), hkv, b)](
+        q,
+        k,
+        v,
+        do,
+        lse,
+        delta,
+        dk,
+        dv,
+        slopes_arg,
+        kpm_arg,
+        *q.stride(),
+        *k.stride(),
+        *v.stride(),
+        *do.stride(),
+        *dk.stride(),
+        *dv.stride(),
+        kpm_stride,
+        hq,
+        tq,
+        tk,
+        sm_scale,
+        window,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+        **flags,
+    )
+    cfg = _launch_config("dq", d, q.dtype, block_m, block_n)
+    runtime.kernel(_bwd_dq_kernel)[(triton.cdiv(tq, cfg.block_m), hq, b)](
+        q,
+        k,
+        v,
+        do,
+        lse,
+        delta,
+        dq,
+        slopes_arg,
+        kpm_arg,
+        *q.stride(),
+        *k.stride(),
+        *v.stride(),
+        *do.stride(),
+        *dq.stride(),
+        kpm_stride,
+        hq,
+        tq,
+        tk,
+        sm_scale,
+        window,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+        **flags,
+    )
+    return dq, dk, dv
+
+
+@flash_attention_bwd.register_fake
+def _flash_attention_bwd_fake(do, q, k, v, o, lse, slopes, kpm, causal, window, bm, bn):
+    return tuple(t.new_empty(t.shape) for t in (q, k, v))  # contiguous, like the kernel's
+
+
+def _flash_setup_context(ctx, inputs, output) -> None:
+    q, k, v, slopes, kpm, causal, window, block_m, block_n = inputs
+    o, lse = output
+    ctx.save_for_backward(q, k, v, o, lse, slopes, kpm)
+    ctx.args = (causal, window, block_m, block_n)
+
+
+def _flash_backward(ctx, do, _dlse):
+    q, k, v, o, lse, slopes, kpm = ctx.saved_tensors
+    dq, dk, dv = flash_attention_bwd(do, q, k, v, o, lse, slopes, kpm, *ctx.args)
+    return dq, dk, dv, None, None, None, None, None, None
+
+
+flash_attention_fwd.register_autograd(_flash_backward, setup_context=_flash_setup_context)
 
 
 # --------------------------------------------------------------------------- entry points
@@ -799,7 +857,9 @@ def flash_attention(
         if slopes.shape != (q.shape[1],):
             raise ValueError(f"bias has {tuple(slopes.shape)} slopes for {q.shape[1]} heads")
     kpm = _padding_bytes(key_padding_mask, q.shape[0], k.shape[2], q.device)
-    return FlashAttentionFunction.apply(q, k, v, slopes, kpm, bool(causal), window, blocks)
+    block_m, block_n = blocks if blocks is not None else (0, 0)
+    out, _ = flash_attention_fwd(q, k, v, slopes, kpm, bool(causal), window or 0, block_m, block_n)
+    return out
 
 
 def flash_attention_reference(

@@ -37,7 +37,7 @@ def _fwd_kernel(X, W, Y, RSTD, stride_x, stride_y, N_COLS, eps, BLOCK: tl.conste
     ok = cols < N_COLS
     x = tl.load(X + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
     w = tl.load(W + cols, mask=ok, other=0.0).to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(x * x, 0) / N_COLS + eps)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, 0) / N_COLS + tl.cast(eps, tl.float32))
     tl.store(Y + row * stride_y + cols, (x * rstd * w).to(Y.dtype.element_ty), mask=ok)
     tl.store(RSTD + row, rstd)
 
@@ -85,67 +85,94 @@ def _bwd_programs(rows: int, device: torch.device) -> int:
     return max(1, min(rows, 4))
 
 
-class RMSNormFunction(torch.autograd.Function):
-    """Autograd wrapper of the fused RMSNorm kernels (see the module docstring)."""
+# The kernels run inside the custom operators ``llmkit::rms_norm_fwd`` / ``llmkit::rms_norm_bwd``
+# (fake implementations for torch.compile, the backward registered as the forward's autograd
+# formula), so a compiled model traces through a call as one node (``fullgraph=True``).
 
-    @staticmethod
-    def forward(
-        ctx: torch.autograd.function.FunctionCtx, x: Tensor, weight: Tensor, eps: float
-    ) -> Tensor:
-        shape = x.shape
-        cols = shape[-1]
-        x2 = x.reshape(-1, cols)
-        if x2.stride(-1) != 1:
-            x2 = x2.contiguous()
-        rows = x2.shape[0]
-        y = torch.empty((rows, cols), dtype=x.dtype, device=x.device)
-        rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
-        block = triton.next_power_of_2(cols)
-        if rows:
-            runtime.kernel(_fwd_kernel)[(rows,)](
-                x2,
-                weight,
-                y,
-                rstd,
-                x2.stride(0),
-                y.stride(0),
-                cols,
-                eps,
-                BLOCK=block,
-                num_warps=_warps(block),
-            )
-        ctx.save_for_backward(x2, weight, rstd)
-        ctx.block = block
-        return y.view(shape)
 
-    @staticmethod
-    def backward(ctx: torch.autograd.function.FunctionCtx, dy: Tensor):
-        x2, weight, rstd = ctx.saved_tensors
-        rows, cols = x2.shape
-        dy2 = dy.reshape(rows, cols)
-        if dy2.stride(-1) != 1:
-            dy2 = dy2.contiguous()
-        dx = torch.empty_like(x2, memory_format=torch.contiguous_format)
-        programs = _bwd_programs(rows, x2.device)
-        partial = torch.zeros(programs, cols, dtype=torch.float32, device=x2.device)
-        if rows:
-            runtime.kernel(_bwd_kernel)[(programs,)](
-                x2,
-                weight,
-                dy2,
-                rstd,
-                dx,
-                partial,
-                x2.stride(0),
-                dy2.stride(0),
-                dx.stride(0),
-                rows,
-                cols,
-                BLOCK=ctx.block,
-                num_warps=_warps(ctx.block),
-            )
-        dw = partial.sum(0).to(weight.dtype)
-        return dx.view(dy.shape), dw, None
+def _rows(t: Tensor, cols: int) -> Tensor:
+    t2 = t.reshape(-1, cols)
+    return t2 if t2.stride(-1) == 1 else t2.contiguous()
+
+
+@torch.library.custom_op("llmkit::rms_norm_fwd", mutates_args=())
+def rms_norm_fwd(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """The forward kernel: ``y`` (x's shape and dtype, contiguous) and the fp32 ``1/rms`` of
+    each of the rows (x.numel() / C,)."""
+    cols = x.shape[-1]
+    x2 = _rows(x, cols)
+    rows = x2.shape[0]
+    y = torch.empty((rows, cols), dtype=x.dtype, device=x.device)
+    rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
+    block = triton.next_power_of_2(cols)
+    if rows:
+        runtime.kernel(_fwd_kernel)[(rows,)](
+            x2,
+            weight,
+            y,
+            rstd,
+            x2.stride(0),
+            y.stride(0),
+            cols,
+            eps,
+            BLOCK=block,
+            num_warps=_warps(block),
+        )
+    return y.view(x.shape), rstd
+
+
+@rms_norm_fwd.register_fake
+def _rms_norm_fwd_fake(x, weight, eps):
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    return x.new_empty(x.shape), x.new_empty((rows,), dtype=torch.float32)
+
+
+@torch.library.custom_op("llmkit::rms_norm_bwd", mutates_args=())
+def rms_norm_bwd(dy: Tensor, x: Tensor, weight: Tensor, rstd: Tensor) -> tuple[Tensor, Tensor]:
+    """The backward kernel: ``dx`` (x's shape and dtype, contiguous) and ``dw`` (weight's)."""
+    cols = x.shape[-1]
+    x2, dy2 = _rows(x, cols), _rows(dy, cols)
+    rows = x2.shape[0]
+    dx = torch.empty((rows, cols), dtype=x.dtype, device=x.device)
+    programs = _bwd_programs(rows, x2.device)
+    partial = torch.zeros(programs, cols, dtype=torch.float32, device=x2.device)
+    block = triton.next_power_of_2(cols)
+    if rows:
+        runtime.kernel(_bwd_kernel)[(programs,)](
+            x2,
+            weight,
+            dy2,
+            rstd,
+            dx,
+            partial,
+            x2.stride(0),
+            dy2.stride(0),
+            dx.stride(0),
+            rows,
+            cols,
+            BLOCK=block,
+            num_warps=_warps(block),
+        )
+    return dx.view(x.shape), partial.sum(0).to(weight.dtype)
+
+
+@rms_norm_bwd.register_fake
+def _rms_norm_bwd_fake(dy, x, weight, rstd):
+    return x.new_empty(x.shape), weight.new_empty(weight.shape)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    x, weight, _eps = inputs
+    ctx.save_for_backward(x, weight, output[1])
+
+
+def _backward(ctx, dy, _drstd):
+    x, weight, rstd = ctx.saved_tensors
+    dx, dw = rms_norm_bwd(dy, x, weight, rstd)
+    return dx, dw, None
+
+
+rms_norm_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 def supported(x: Tensor, weight: Tensor) -> bool:
@@ -163,4 +190,4 @@ def rms_norm_triton(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """RMSNorm of ``x`` over its last dimension by the fused kernels (differentiable)."""
     if x.shape[-1] != weight.shape[0]:
         raise ValueError(f"weight {tuple(weight.shape)} does not match x {tuple(x.shape)}")
-    return RMSNormFunction.apply(x, weight.contiguous(), eps)
+    return rms_norm_fwd(x, weight.contiguous(), float(eps))[0]

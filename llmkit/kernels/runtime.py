@@ -31,14 +31,22 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-@functools.cache
+_triton_importable: bool | None = None
+
+
 def triton_available() -> bool:
-    """True when ``triton`` imports (it may still have no GPU to run on)."""
-    try:
-        import triton  # noqa: F401
-    except Exception:  # pragma: no cover - triton absent on this platform
-        return False
-    return True
+    """True when ``triton`` imports (it may still have no GPU to run on). Remembered in a
+    module global rather than ``functools.cache``, which torch.compile warns about when it
+    traces a component's dispatch."""
+    global _triton_importable
+    if _triton_importable is None:
+        try:
+            import triton  # noqa: F401
+        except Exception:  # pragma: no cover - triton absent on this platform
+            _triton_importable = False
+        else:
+            _triton_importable = True
+    return _triton_importable
 
 
 def use_triton(*tensors: torch.Tensor) -> bool:

@@ -55,34 +55,60 @@ def _block(device: torch.device) -> int:
     return 1024 if device.type == "cuda" else 256
 
 
-class SwiGLUFunction(torch.autograd.Function):
-    """Autograd wrapper of the fused SwiGLU kernels (see the module docstring)."""
+# The kernels run inside the custom operators ``llmkit::swiglu_fwd`` / ``llmkit::swiglu_bwd``
+# (fake implementations for torch.compile, the backward registered as the forward's autograd
+# formula), so a compiled model traces through a call as one node (``fullgraph=True``).
 
-    @staticmethod
-    def forward(ctx: torch.autograd.function.FunctionCtx, gate: Tensor, up: Tensor) -> Tensor:
-        gate, up = gate.contiguous(), up.contiguous()
-        h = torch.empty_like(gate)
-        n = gate.numel()
-        block = _block(gate.device)
-        if n:
-            runtime.kernel(_fwd_kernel)[(triton.cdiv(n, block),)](
-                gate, up, h, n, BLOCK=block, num_warps=4
-            )
-        ctx.save_for_backward(gate, up)
-        return h
 
-    @staticmethod
-    def backward(ctx: torch.autograd.function.FunctionCtx, dh: Tensor):
-        gate, up = ctx.saved_tensors
-        dh = dh.contiguous()
-        dg, du = torch.empty_like(gate), torch.empty_like(up)
-        n = gate.numel()
-        block = _block(gate.device)
-        if n:
-            runtime.kernel(_bwd_kernel)[(triton.cdiv(n, block),)](
-                gate, up, dh, dg, du, n, BLOCK=block, num_warps=4
-            )
-        return dg, du
+@torch.library.custom_op("llmkit::swiglu_fwd", mutates_args=())
+def swiglu_fwd(gate: Tensor, up: Tensor) -> Tensor:
+    """``silu(gate) * up`` (contiguous, gate's shape and dtype)."""
+    gate, up = gate.contiguous(), up.contiguous()
+    h = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    n = gate.numel()
+    block = _block(gate.device)
+    if n:
+        runtime.kernel(_fwd_kernel)[(triton.cdiv(n, block),)](
+            gate, up, h, n, BLOCK=block, num_warps=4
+        )
+    return h
+
+
+@swiglu_fwd.register_fake
+def _swiglu_fwd_fake(gate, up):
+    return gate.new_empty(gate.shape)
+
+
+@torch.library.custom_op("llmkit::swiglu_bwd", mutates_args=())
+def swiglu_bwd(dh: Tensor, gate: Tensor, up: Tensor) -> tuple[Tensor, Tensor]:
+    """Gradients (d gate, d up), contiguous, recomputing σ(gate) from the inputs."""
+    gate, up, dh = gate.contiguous(), up.contiguous(), dh.contiguous()
+    dg = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    du = torch.empty(up.shape, dtype=up.dtype, device=up.device)
+    n = gate.numel()
+    block = _block(gate.device)
+    if n:
+        runtime.kernel(_bwd_kernel)[(triton.cdiv(n, block),)](
+            gate, up, dh, dg, du, n, BLOCK=block, num_warps=4
+        )
+    return dg, du
+
+
+@swiglu_bwd.register_fake
+def _swiglu_bwd_fake(dh, gate, up):
+    return gate.new_empty(gate.shape), up.new_empty(up.shape)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    ctx.save_for_backward(*inputs)
+
+
+def _backward(ctx, dh):
+    gate, up = ctx.saved_tensors
+    return swiglu_bwd(dh, gate, up)
+
+
+swiglu_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 def supported(gate: Tensor, up: Tensor) -> bool:
@@ -97,4 +123,4 @@ def supported(gate: Tensor, up: Tensor) -> bool:
 
 def swiglu_triton(gate: Tensor, up: Tensor) -> Tensor:
     """``silu(gate) * up`` by the fused kernels (differentiable)."""
-    return SwiGLUFunction.apply(gate, up)
+    return swiglu_fwd(gate, up)

@@ -214,7 +214,7 @@ class RotaryPosition(PositionalScheme):
         """cos, sin and the tables the rotation multiplies by, kept for the last positions
         (see :meth:`cos_sin`): for rotate-half (cos, cos) and (−sin, sin) side by side,
         (..., rot_dim), so it is x·cos2 + swap(x)·sin2; for interleaved pairs cos and sin."""
-        if positions.is_inference() or torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() or positions.is_inference():
             return self._compute_tables(positions)
         last = self._last
         if last is not None and last[0] is positions and last[1] == positions._version:
