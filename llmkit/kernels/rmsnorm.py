@@ -85,9 +85,11 @@ def _bwd_programs(rows: int, device: torch.device) -> int:
     return max(1, min(rows, 4))
 
 
-# The kernels run inside the custom operators ``llmkit::rms_norm_fwd`` / ``llmkit::rms_norm_bwd``
-# (fake implementations for torch.compile, the backward registered as the forward's autograd
-# formula), so a compiled model traces through a call as one node (``fullgraph=True``).
+# Under torch.compile the kernels run inside the custom operators ``llmkit::rms_norm_fwd`` /
+# ``llmkit::rms_norm_bwd`` (fake implementations, the backward registered as the forward's
+# autograd formula), so a compiled model traces through a call as one node
+# (``fullgraph=True``); eager calls take an autograd.Function over the same launchers, which
+# dispatches faster.
 
 
 def _rows(t: Tensor, cols: int) -> Tensor:
@@ -95,8 +97,7 @@ def _rows(t: Tensor, cols: int) -> Tensor:
     return t2 if t2.stride(-1) == 1 else t2.contiguous()
 
 
-@torch.library.custom_op("llmkit::rms_norm_fwd", mutates_args=())
-def rms_norm_fwd(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+def _forward(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     """The forward kernel: ``y`` (x's shape and dtype, contiguous) and the fp32 ``1/rms`` of
     each of the rows (x.numel() / C,)."""
     cols = x.shape[-1]
@@ -121,14 +122,16 @@ def rms_norm_fwd(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]
     return y.view(x.shape), rstd
 
 
+rms_norm_fwd = torch.library.custom_op("llmkit::rms_norm_fwd", _forward, mutates_args=())
+
+
 @rms_norm_fwd.register_fake
 def _rms_norm_fwd_fake(x, weight, eps):
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     return x.new_empty(x.shape), x.new_empty((rows,), dtype=torch.float32)
 
 
-@torch.library.custom_op("llmkit::rms_norm_bwd", mutates_args=())
-def rms_norm_bwd(dy: Tensor, x: Tensor, weight: Tensor, rstd: Tensor) -> tuple[Tensor, Tensor]:
+def _backward(dy: Tensor, x: Tensor, weight: Tensor, rstd: Tensor) -> tuple[Tensor, Tensor]:
     """The backward kernel: ``dx`` (x's shape and dtype, contiguous) and ``dw`` (weight's)."""
     cols = x.shape[-1]
     x2, dy2 = _rows(x, cols), _rows(dy, cols)
@@ -156,6 +159,9 @@ def rms_norm_bwd(dy: Tensor, x: Tensor, weight: Tensor, rstd: Tensor) -> tuple[T
     return dx.view(x.shape), partial.sum(0).to(weight.dtype)
 
 
+rms_norm_bwd = torch.library.custom_op("llmkit::rms_norm_bwd", _backward, mutates_args=())
+
+
 @rms_norm_bwd.register_fake
 def _rms_norm_bwd_fake(dy, x, weight, rstd):
     return x.new_empty(x.shape), weight.new_empty(weight.shape)
@@ -166,13 +172,29 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.save_for_backward(x, weight, output[1])
 
 
-def _backward(ctx, dy, _drstd):
+def _autograd_backward(ctx, dy, _drstd):
     x, weight, rstd = ctx.saved_tensors
     dx, dw = rms_norm_bwd(dy, x, weight, rstd)
     return dx, dw, None
 
 
-rms_norm_fwd.register_autograd(_backward, setup_context=_setup_context)
+rms_norm_fwd.register_autograd(_autograd_backward, setup_context=_setup_context)
+
+
+class _EagerRMSNorm(torch.autograd.Function):
+    """The same launchers for eager calls (an autograd.Function dispatches faster)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, eps: float) -> Tensor:
+        y, rstd = _forward(x, weight, eps)
+        ctx.save_for_backward(x, weight, rstd)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy: Tensor):
+        x, weight, rstd = ctx.saved_tensors
+        dx, dw = _backward(dy, x, weight, rstd)
+        return dx, dw, None
 
 
 def supported(x: Tensor, weight: Tensor) -> bool:
@@ -190,4 +212,6 @@ def rms_norm_triton(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """RMSNorm of ``x`` over its last dimension by the fused kernels (differentiable)."""
     if x.shape[-1] != weight.shape[0]:
         raise ValueError(f"weight {tuple(weight.shape)} does not match x {tuple(x.shape)}")
-    return rms_norm_fwd(x, weight.contiguous(), float(eps))[0]
+    if torch.compiler.is_compiling():
+        return rms_norm_fwd(x, weight.contiguous(), float(eps))[0]
+    return _EagerRMSNorm.apply(x, weight.contiguous(), float(eps))

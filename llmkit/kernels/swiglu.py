@@ -55,13 +55,14 @@ def _block(device: torch.device) -> int:
     return 1024 if device.type == "cuda" else 256
 
 
-# The kernels run inside the custom operators ``llmkit::swiglu_fwd`` / ``llmkit::swiglu_bwd``
-# (fake implementations for torch.compile, the backward registered as the forward's autograd
-# formula), so a compiled model traces through a call as one node (``fullgraph=True``).
+# Under torch.compile the kernels run inside the custom operators ``llmkit::swiglu_fwd`` /
+# ``llmkit::swiglu_bwd`` (fake implementations, the backward registered as the forward's
+# autograd formula), so a compiled model traces through a call as one node
+# (``fullgraph=True``); eager calls take an autograd.Function over the same launchers, which
+# dispatches faster.
 
 
-@torch.library.custom_op("llmkit::swiglu_fwd", mutates_args=())
-def swiglu_fwd(gate: Tensor, up: Tensor) -> Tensor:
+def _forward(gate: Tensor, up: Tensor) -> Tensor:
     """``silu(gate) * up`` (contiguous, gate's shape and dtype)."""
     gate, up = gate.contiguous(), up.contiguous()
     h = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
@@ -74,13 +75,15 @@ def swiglu_fwd(gate: Tensor, up: Tensor) -> Tensor:
     return h
 
 
+swiglu_fwd = torch.library.custom_op("llmkit::swiglu_fwd", _forward, mutates_args=())
+
+
 @swiglu_fwd.register_fake
 def _swiglu_fwd_fake(gate, up):
     return gate.new_empty(gate.shape)
 
 
-@torch.library.custom_op("llmkit::swiglu_bwd", mutates_args=())
-def swiglu_bwd(dh: Tensor, gate: Tensor, up: Tensor) -> tuple[Tensor, Tensor]:
+def _backward(dh: Tensor, gate: Tensor, up: Tensor) -> tuple[Tensor, Tensor]:
     """Gradients (d gate, d up), contiguous, recomputing σ(gate) from the inputs."""
     gate, up, dh = gate.contiguous(), up.contiguous(), dh.contiguous()
     dg = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
@@ -94,6 +97,9 @@ def swiglu_bwd(dh: Tensor, gate: Tensor, up: Tensor) -> tuple[Tensor, Tensor]:
     return dg, du
 
 
+swiglu_bwd = torch.library.custom_op("llmkit::swiglu_bwd", _backward, mutates_args=())
+
+
 @swiglu_bwd.register_fake
 def _swiglu_bwd_fake(dh, gate, up):
     return gate.new_empty(gate.shape), up.new_empty(up.shape)
@@ -103,12 +109,26 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.save_for_backward(*inputs)
 
 
-def _backward(ctx, dh):
+def _autograd_backward(ctx, dh):
     gate, up = ctx.saved_tensors
     return swiglu_bwd(dh, gate, up)
 
 
-swiglu_fwd.register_autograd(_backward, setup_context=_setup_context)
+swiglu_fwd.register_autograd(_autograd_backward, setup_context=_setup_context)
+
+
+class _EagerSwiGLU(torch.autograd.Function):
+    """The same launchers for eager calls (an autograd.Function dispatches faster)."""
+
+    @staticmethod
+    def forward(ctx, gate: Tensor, up: Tensor) -> Tensor:
+        ctx.save_for_backward(gate, up)
+        return _forward(gate, up)
+
+    @staticmethod
+    def backward(ctx, dh: Tensor):
+        gate, up = ctx.saved_tensors
+        return _backward(dh, gate, up)
 
 
 def supported(gate: Tensor, up: Tensor) -> bool:
@@ -123,4 +143,6 @@ def supported(gate: Tensor, up: Tensor) -> bool:
 
 def swiglu_triton(gate: Tensor, up: Tensor) -> Tensor:
     """``silu(gate) * up`` by the fused kernels (differentiable)."""
-    return swiglu_fwd(gate, up)
+    if torch.compiler.is_compiling():
+        return swiglu_fwd(gate, up)
+    return _EagerSwiGLU.apply(gate, up)
