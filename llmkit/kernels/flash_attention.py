@@ -78,6 +78,9 @@ __all__ = [
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 #: Largest head dim the kernels take (the (BLOCK, D) tiles must fit in shared memory).
 MAX_HEAD_DIM = 256
+#: Interior key blocks (no diagonal, window edge, tail or padding mask) skip the score mask;
+#: False masks every block, as before (kept for side-by-side timing on a GPU).
+SKIP_INTERIOR_MASKS = True
 #: CUDA's largest grid size along y and z (the kernels' grids are (blocks, heads, batch)).
 _MAX_GRID_YZ = 65535
 
@@ -124,6 +127,7 @@ def _fwd_kernel(
     HAS_KPM: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     PRECISION: tl.constexpr,
+    SKIP_MASKS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -180,15 +184,23 @@ def _fwd_kernel(
             dist = (q_pos[:, None] - cols[None, :]).to(tl.float32)
             dist = tl.maximum(dist, 0.0) if CAUSAL else tl.abs(dist)
             s = s - slope * dist
-        keep = n_valid[None, :]
+        # Only blocks at the diagonal, the window's edge, the tail or under a padding mask
+        # need the (BLOCK_M, BLOCK_N) mask; the others skip it (a branch per block).
+        edge = (start_n + BLOCK_N > TK) | (HAS_KPM or not SKIP_MASKS)
         if CAUSAL:
-            keep = keep & (cols[None, :] <= q_pos[:, None])
+            edge = edge | (start_n + BLOCK_N - 1 > offset + start_m * BLOCK_M)
         if HAS_WINDOW:
-            keep = keep & (cols[None, :] > q_pos[:, None] - WINDOW)
-        if HAS_KPM:
-            pad = tl.load(KPM + cols, mask=n_valid, other=0)
-            keep = keep & (pad != 0)[None, :]
-        s = tl.where(keep, s, float("-inf"))
+            edge = edge | (start_n <= offset + (start_m + 1) * BLOCK_M - 1 - WINDOW)
+        if edge:
+            keep = n_valid[None, :]
+            if CAUSAL:
+                keep = keep & (cols[None, :] <= q_pos[:, None])
+            if HAS_WINDOW:
+                keep = keep & (cols[None, :] > q_pos[:, None] - WINDOW)
+            if HAS_KPM:
+                pad = tl.load(KPM + cols, mask=n_valid, other=0)
+                keep = keep & (pad != 0)[None, :]
+            s = tl.where(keep, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet
         alpha = tl.exp2(m_i - m_safe)
@@ -292,6 +304,7 @@ def _bwd_dkdv_kernel(
     HAS_KPM: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     PRECISION: tl.constexpr,
+    SKIP_MASKS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -357,12 +370,19 @@ def _bwd_dkdv_kernel(
                 dist = (q_pos[None, :] - cols[:, None]).to(tl.float32)
                 dist = tl.maximum(dist, 0.0) if CAUSAL else tl.abs(dist)
                 s_t = s_t - slope * dist
-            keep = keep_n[:, None] & m_valid[None, :]
+            p_t = tl.exp2(s_t - lse[None, :])
+            edge = (start_n + BLOCK_N > TK) | (start_m + BLOCK_M > TQ) | (HAS_KPM or not SKIP_MASKS)
             if CAUSAL:
-                keep = keep & (cols[:, None] <= q_pos[None, :])
+                edge = edge | (start_n + BLOCK_N - 1 > offset + start_m)
             if HAS_WINDOW:
-                keep = keep & (cols[:, None] > q_pos[None, :] - WINDOW)
-            p_t = tl.where(keep, tl.exp2(s_t - lse[None, :]), 0.0)
+                edge = edge | (start_n <= offset + start_m + BLOCK_M - 1 - WINDOW)
+            if edge:  # interior blocks need no mask (see the forward)
+                keep = keep_n[:, None] & m_valid[None, :]
+                if CAUSAL:
+                    keep = keep & (cols[:, None] <= q_pos[None, :])
+                if HAS_WINDOW:
+                    keep = keep & (cols[:, None] > q_pos[None, :] - WINDOW)
+                p_t = tl.where(keep, p_t, 0.0)
             dv += tl.dot(p_t.to(do.dtype), do, input_precision=PRECISION)
             dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
             ds_t = p_t * (dp_t - delta[None, :])
@@ -426,6 +446,7 @@ def _bwd_dq_kernel(
     HAS_KPM: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     PRECISION: tl.constexpr,
+    SKIP_MASKS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -481,15 +502,23 @@ def _bwd_dq_kernel(
             dist = (q_pos[:, None] - cols[None, :]).to(tl.float32)
             dist = tl.maximum(dist, 0.0) if CAUSAL else tl.abs(dist)
             s = s - slope * dist
-        keep = n_valid[None, :] & m_valid[:, None]
+        p = tl.exp2(s - lse[:, None])
+        edge = (start_n + BLOCK_N > TK) | (start_m * BLOCK_M + BLOCK_M > TQ)
+        edge = edge | (HAS_KPM or not SKIP_MASKS)
         if CAUSAL:
-            keep = keep & (cols[None, :] <= q_pos[:, None])
+            edge = edge | (start_n + BLOCK_N - 1 > offset + start_m * BLOCK_M)
         if HAS_WINDOW:
-            keep = keep & (cols[None, :] > q_pos[:, None] - WINDOW)
-        if HAS_KPM:
-            pad = tl.load(KPM + cols, mask=n_valid, other=0)
-            keep = keep & (pad != 0)[None, :]
-        p = tl.where(keep, tl.exp2(s - lse[:, None]), 0.0)
+            edge = edge | (start_n <= offset + (start_m + 1) * BLOCK_M - 1 - WINDOW)
+        if edge:  # interior blocks need no mask (see the forward)
+            keep = n_valid[None, :] & m_valid[:, None]
+            if CAUSAL:
+                keep = keep & (cols[None, :] <= q_pos[:, None])
+            if HAS_WINDOW:
+                keep = keep & (cols[None, :] > q_pos[:, None] - WINDOW)
+            if HAS_KPM:
+                pad = tl.load(KPM + cols, mask=n_valid, other=0)
+                keep = keep & (pad != 0)[None, :]
+            p = tl.where(keep, p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
@@ -533,6 +562,9 @@ _GPU_CONFIGS_FP32 = (
     (256, BlockConfig(16, 16, 4, 1), BlockConfig(16, 16, 4, 1), BlockConfig(16, 16, 4, 1)),
 )
 _KERNELS = ("fwd", "dkdv", "dq")
+#: Tiles that replace the table's for one kernel ("fwd", "dkdv" or "dq"), whatever the head
+#: dim and dtype: benchmarks/scripts/flash_tune.py sets them to time candidates on a GPU.
+TILE_OVERRIDES: dict[str, BlockConfig] = {}
 
 
 def block_config(kernel: str, head_dim: int, dtype: torch.dtype) -> BlockConfig:
@@ -550,6 +582,8 @@ def block_config(kernel: str, head_dim: int, dtype: torch.dtype) -> BlockConfig:
         raise ValueError(f"unknown kernel {kernel!r}; expected one of {_KERNELS}")
     if runtime.interpreting():
         return BlockConfig(16, 16, 1, 1)
+    if kernel in TILE_OVERRIDES:
+        return TILE_OVERRIDES[kernel]
     table = _GPU_CONFIGS_FP32 if dtype == torch.float32 else _GPU_CONFIGS_16BIT
     block_d = _block_d(head_dim)
     for limit, *configs in table:
@@ -675,6 +709,7 @@ def _forward(
         HAS_KPM=kpm is not None,
         HAS_WINDOW=window > 0,
         PRECISION=_precision(q.dtype),
+        SKIP_MASKS=SKIP_INTERIOR_MASKS,
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
         BLOCK_D=_block_d(d),
@@ -725,6 +760,7 @@ def _backward(
         "HAS_KPM": kpm is not None,
         "HAS_WINDOW": window > 0,
         "PRECISION": _precision(q.dtype),
+        "SKIP_MASKS": SKIP_INTERIOR_MASKS,
         "BLOCK_D": block_d,
     }
     slopes_arg = slopes if slopes is not None else lse

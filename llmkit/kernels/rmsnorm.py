@@ -74,15 +74,27 @@ def _bwd_kernel(
     tl.store(DW_PARTIAL + pid.to(tl.int64) * N_COLS + cols, dw, mask=ok)
 
 
+#: Launch knobs (benchmarks/scripts/flash_tune.py times alternatives on a GPU): warps per
+#: program are the row's width / WIDTH_PER_WARP, within [1, MAX_WARPS]; the backward runs
+#: BWD_PROGRAMS_PER_SM programs per multiprocessor.
+WIDTH_PER_WARP = 256
+MAX_WARPS = 16
+BWD_PROGRAMS_PER_SM = 4
+_sm_counts: dict[int, int] = {}
+
+
 def _warps(block: int) -> int:
-    return max(1, min(16, block // 256))
+    return max(1, min(MAX_WARPS, block // WIDTH_PER_WARP))
 
 
 def _bwd_programs(rows: int, device: torch.device) -> int:
     """Programs of the backward: a few per SM on a GPU, 4 in the interpreter."""
-    if device.type == "cuda":
-        return max(1, min(rows, 4 * torch.cuda.get_device_properties(device).multi_processor_count))
-    return max(1, min(rows, 4))
+    if device.type != "cuda":
+        return max(1, min(rows, 4))
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _sm_counts:
+        _sm_counts[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return max(1, min(rows, BWD_PROGRAMS_PER_SM * _sm_counts[index]))
 
 
 # Under torch.compile the kernels run inside the custom operators ``llmkit::rms_norm_fwd`` /
