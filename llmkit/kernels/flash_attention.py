@@ -207,7 +207,8 @@ def _fwd_kernel(
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        # The product accumulates into acc (on Hopper, in the MMA's own accumulator).
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
         m_i = m_new
         k_ptrs += BLOCK_N * stride_kn
         v_ptrs += BLOCK_N * stride_vn
@@ -383,10 +384,10 @@ def _bwd_dkdv_kernel(
                 if HAS_WINDOW:
                     keep = keep & (cols[:, None] > q_pos[None, :] - WINDOW)
                 p_t = tl.where(keep, p_t, 0.0)
-            dv += tl.dot(p_t.to(do.dtype), do, input_precision=PRECISION)
+            dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=PRECISION)
             dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
             ds_t = p_t * (dp_t - delta[None, :])
-            dk += tl.dot(ds_t.to(q.dtype), q, input_precision=PRECISION)
+            dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=PRECISION)
     dk = dk * sm_scale
 
     DK += off_b.to(tl.int64) * stride_dkb + off_kvh.to(tl.int64) * stride_dkh
@@ -521,7 +522,7 @@ def _bwd_dq_kernel(
             p = tl.where(keep, p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
         ds = p * (dp - delta[:, None])
-        dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=PRECISION)
         k_ptrs += BLOCK_N * stride_kn
         v_ptrs += BLOCK_N * stride_vn
     dq = dq * sm_scale
