@@ -57,13 +57,21 @@ DQ = (
     (128, 32, 4, 5),
 )
 NORM = ((256, 4), (512, 4), (128, 4), (256, 1), (256, 2), (256, 8), (512, 8))
+#: Sliding-window candidates (W = WINDOW): smaller query tiles waste less of the band.
+WFWD = ((128, 64, 4, 3), (64, 64, 4, 3), (64, 32, 4, 3), (128, 32, 4, 3), (64, 64, 4, 4))
+WDKDV = ((32, 128, 4, 3), (32, 64, 4, 3), (64, 64, 4, 3), (16, 64, 4, 3))
+WDQ = ((128, 32, 4, 3), (64, 32, 4, 3), (64, 64, 4, 3), (128, 64, 8, 3))
+WINDOW = 512
 HEAD_DIMS = (64, 128)
 SEQ = 4096
 BATCH = 4
 
 
-def _flops(b: int, h: int, n: int, d: int, mode: str) -> float:
-    fwd = 4 * b * h * n * n * d * 0.5  # causal
+def _flops(b: int, h: int, n: int, d: int, mode: str, window: int = 0) -> float:
+    """Causal attention FLOPs on attended pairs (a window attends min(i+1, W) keys)."""
+    w = window or n
+    pairs = w * (w + 1) / 2 + max(n - w, 0) * w
+    fwd = 4 * b * h * pairs * d
     return fwd if mode == "fwd" else 2.5 * fwd
 
 
@@ -79,16 +87,20 @@ class Recorder:
 
 
 def tune_flash(rec: Recorder, deadline: float, dry: bool) -> None:
-    for d in HEAD_DIMS:
-        if dry:
-            for kernel, cands in (("fwd", FWD), ("dkdv", DKDV), ("dq", DQ)):
-                for c in cands:
-                    rec.add(kind="flash", kernel=kernel, D=d, tiles=list(c), dry_run=True)
-        else:
-            _tune_flash_at(rec, deadline, d)
+    for window in (0, WINDOW):
+        for d in HEAD_DIMS:
+            if dry:
+                cands = (("fwd", FWD), ("dkdv", DKDV), ("dq", DQ))
+                if window:
+                    cands = (("fwd", WFWD), ("dkdv", WDKDV), ("dq", WDQ))
+                for kernel, tiles in cands:
+                    for c in tiles:
+                        rec.add(kind="flash", kernel=kernel, D=d, W=window, tiles=c, dry_run=True)
+            else:
+                _tune_flash_at(rec, deadline, d, window)
 
 
-def _tune_flash_at(rec: Recorder, deadline: float, d: int) -> None:
+def _tune_flash_at(rec: Recorder, deadline: float, d: int, window: int) -> None:
     from llmkit.kernels import flash_attention as fa
 
     h = 2048 // d
@@ -102,7 +114,7 @@ def _tune_flash_at(rec: Recorder, deadline: float, d: int) -> None:
     # (B, T, H, D) buffers viewed as (B, H, T, D), as the model's projections give them.
     q, k, v = (rand(BATCH, SEQ, h, d).transpose(1, 2) for _ in range(3))
     do = rand(BATCH, SEQ, h, d).transpose(1, 2)
-    args = (None, None, True, 0, 0, 0)
+    args = (None, None, True, window, 0, 0)
 
     def fwd():
         return fa._forward(q, k, v, *args)
@@ -127,6 +139,7 @@ def _tune_flash_at(rec: Recorder, deadline: float, d: int) -> None:
                 kind="flash",
                 kernel=kernel,
                 D=d,
+                W=window,
                 tiles=tiles,
                 skip_masks=skip,
                 error=f"{type(exc).__name__}: {str(exc)[:120]}",
@@ -139,18 +152,24 @@ def _tune_flash_at(rec: Recorder, deadline: float, d: int) -> None:
             kind="flash",
             kernel=kernel,
             D=d,
+            W=window,
             tiles=tiles,
             skip_masks=skip,
             ms=round(ms, 4),
-            tflops=round(_flops(BATCH, h, SEQ, d, mode) / ms / 1e9, 1),
+            tflops=round(_flops(BATCH, h, SEQ, d, mode, window) / ms / 1e9, 1),
         )
 
     for skip in (True, False):
         bench("fwd", fwd, None, skip)
         bench("bwd", bwd, None, skip)
-    for kernel, fn, cands in (("fwd", fwd, FWD), ("dkdv", bwd, DKDV), ("dq", bwd, DQ)):
+    plan = (("fwd", fwd, FWD), ("dkdv", bwd, DKDV), ("dq", bwd, DQ))
+    if window:
+        plan = (("fwd", fwd, WFWD), ("dkdv", bwd, WDKDV), ("dq", bwd, WDQ))
+    for kernel, fn, cands in plan:
         for tiles in cands:
             bench(kernel, fn, tiles)
+    if window:
+        return
     try:  # SDPA's flash backend on the same inputs, for scale
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -173,7 +192,7 @@ def _tune_flash_at(rec: Recorder, deadline: float, d: int) -> None:
                 kernel=mode,
                 D=d,
                 ms=round(ms, 4),
-                tflops=round(_flops(BATCH, h, SEQ, d, mode) / ms / 1e9, 1),
+                tflops=round(_flops(BATCH, h, SEQ, d, mode, window) / ms / 1e9, 1),
             )
     except Exception as exc:
         rec.add(kind="sdpa-flash", D=d, error=f"{type(exc).__name__}: {str(exc)[:120]}")
@@ -255,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     best: dict[str, Any] = {}
     for r in rec.records:
         if r.get("kind") == "flash" and "ms" in r and r.get("tiles"):
-            key = f"{r['kernel']}-D{r['D']}"
+            key = f"{r['kernel']}-D{r['D']}-W{r['W']}"
             if key not in best or r["ms"] < best[key]["ms"]:
                 best[key] = r
     for key, r in sorted(best.items()):

@@ -562,13 +562,17 @@ _GPU_CONFIGS_FP32 = (
     (128, BlockConfig(16, 32, 4, 2), BlockConfig(16, 32, 8, 1), BlockConfig(32, 16, 4, 2)),
     (256, BlockConfig(16, 16, 4, 1), BlockConfig(16, 16, 4, 1), BlockConfig(16, 16, 4, 1)),
 )
+#: Sliding-window tiles (16-bit): the dense table's until a GPU sweep says otherwise.
+_GPU_CONFIGS_16BIT_WINDOW = _GPU_CONFIGS_16BIT
 _KERNELS = ("fwd", "dkdv", "dq")
 #: Tiles that replace the table's for one kernel ("fwd", "dkdv" or "dq"), whatever the head
 #: dim and dtype: benchmarks/scripts/flash_tune.py sets them to time candidates on a GPU.
 TILE_OVERRIDES: dict[str, BlockConfig] = {}
 
 
-def block_config(kernel: str, head_dim: int, dtype: torch.dtype) -> BlockConfig:
+def block_config(
+    kernel: str, head_dim: int, dtype: torch.dtype, windowed: bool = False
+) -> BlockConfig:
     """Tile sizes for ``kernel`` ("fwd", "dkdv" or "dq").
 
     Under the interpreter: 16×16 tiles (each program step is a NumPy call; small tiles keep
@@ -576,8 +580,9 @@ def block_config(kernel: str, head_dim: int, dtype: torch.dtype) -> BlockConfig:
     FlashAttention-2 shapes for fp16/bf16 (forward 128 queries × 64 keys; dK/dV with a
     resident block of 128 keys streaming 32 queries; dQ the transpose), shrunk as the head
     dim grows so the tiles fit shared memory and registers; much smaller tiles for fp32.
-    Fixed heuristics, not autotuning: one compile per shape class and a deterministic choice
-    (compile-checked, untuned on hardware so far).
+    Fixed heuristics, not autotuning: one compile per shape class and a deterministic choice.
+    ``windowed`` (a sliding window) takes its own 16-bit table: the band's useful share of
+    the visited blocks grows as the query tile shrinks.
     """
     if kernel not in _KERNELS:
         raise ValueError(f"unknown kernel {kernel!r}; expected one of {_KERNELS}")
@@ -585,7 +590,10 @@ def block_config(kernel: str, head_dim: int, dtype: torch.dtype) -> BlockConfig:
         return BlockConfig(16, 16, 1, 1)
     if kernel in TILE_OVERRIDES:
         return TILE_OVERRIDES[kernel]
-    table = _GPU_CONFIGS_FP32 if dtype == torch.float32 else _GPU_CONFIGS_16BIT
+    if dtype == torch.float32:
+        table = _GPU_CONFIGS_FP32
+    else:
+        table = _GPU_CONFIGS_16BIT_WINDOW if windowed else _GPU_CONFIGS_16BIT
     block_d = _block_d(head_dim)
     for limit, *configs in table:
         if block_d <= limit:
@@ -603,9 +611,11 @@ def _block_d(head_dim: int) -> int:
     return max(16, triton.next_power_of_2(head_dim))
 
 
-def _config(kernel: str, head_dim: int, dtype: torch.dtype, blocks) -> BlockConfig:
+def _config(
+    kernel: str, head_dim: int, dtype: torch.dtype, blocks, windowed: bool = False
+) -> BlockConfig:
     if blocks is None:
-        return block_config(kernel, head_dim, dtype)
+        return block_config(kernel, head_dim, dtype, windowed)
     bm, bn = blocks
     return BlockConfig(bm, bn, 4, 2)
 
@@ -658,8 +668,11 @@ def _padding_bytes(key_padding_mask: Tensor | None, b: int, tk: int, device) -> 
     return key_padding_mask.to(device=device, dtype=torch.uint8).contiguous()
 
 
-def _launch_config(kernel: str, d: int, dtype: torch.dtype, block_m: int, block_n: int):
-    return _config(kernel, d, dtype, (block_m, block_n) if block_m and block_n else None)
+def _launch_config(
+    kernel: str, d: int, dtype: torch.dtype, block_m: int, block_n: int, window: int
+) -> BlockConfig:
+    blocks = (block_m, block_n) if block_m and block_n else None
+    return _config(kernel, d, dtype, blocks, window > 0)
 
 
 def _forward(
@@ -683,7 +696,7 @@ def _forward(
     if tq == 0:
         return o, lse
     dummy = lse  # any tensor: pointers behind a False HAS_* flag are never read
-    cfg = _launch_config("fwd", d, q.dtype, block_m, block_n)
+    cfg = _launch_config("fwd", d, q.dtype, block_m, block_n, window)
     grid = (triton.cdiv(tq, cfg.block_m), hq, b)
     runtime.kernel(_fwd_kernel)[grid](
         q,
@@ -782,7 +795,7 @@ def _backward(
         BLOCK_M=pre_m,
         BLOCK_D=block_d,
     )
-    cfg = _launch_config("dkdv", d, q.dtype, block_m, block_n)
+    cfg = _launch_config("dkdv", d, q.dtype, block_m, block_n, window)
     runtime.kernel(_bwd_dkdv_kernel)[(triton.cdiv(tk, cfg.block_n), hkv, b)](
         q,
         k,
@@ -812,7 +825,7 @@ def _backward(
         num_stages=cfg.num_stages,
         **flags,
     )
-    cfg = _launch_config("dq", d, q.dtype, block_m, block_n)
+    cfg = _launch_config("dq", d, q.dtype, block_m, block_n, window)
     runtime.kernel(_bwd_dq_kernel)[(triton.cdiv(tq, cfg.block_m), hq, b)](
         q,
         k,
