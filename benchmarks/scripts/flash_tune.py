@@ -69,7 +69,7 @@ BATCH = 4
 
 def _flops(b: int, h: int, n: int, d: int, mode: str, window: int = 0) -> float:
     """Causal attention FLOPs on attended pairs (a window attends min(i+1, W) keys)."""
-    w = window or n
+    w = min(window or n, n)
     pairs = w * (w + 1) / 2 + max(n - w, 0) * w
     fwd = 4 * b * h * pairs * d
     return fwd if mode == "fwd" else 2.5 * fwd
