@@ -17,20 +17,31 @@ follows that description:
 - evaluation every ``eval_interval`` steps: the mean loss over ``eval_iters`` random batches
   of each split. fp32 on CPU (nanoGPT autocasts only on CUDA), no ``torch.compile``.
 
+On a GPU (``--device cuda``) it runs as nanoGPT's ``train.py`` does there: ``--dtype
+bfloat16`` autocasts the forward (the default on CUDA), TF32 matmuls are allowed, AdamW is
+the fused one, batches go through pinned memory, and ``--compile`` wraps the training forward
+in ``torch.compile`` (evaluation runs the plain module, so it compiles nothing).
+
 ``python -m benchmarks.reference_gpt --data PATH`` runs the shakespeare-char CPU recipe
-and prints one JSON line (final validation loss, wall time, tokens/s);
-``benchmarks/training/test_training.py`` times its training step next to ours.
+and prints one JSON line (final validation loss, wall time, tokens/s, every step's time);
+``--log-interval N`` also prints nanoGPT's ``iter N: loss X, time Y ms`` line every N steps.
+The shape options (``--n-layer`` …) change the model; ``benchmarks/scripts/gpu_train_compare.py``
+runs it at GPT-2 small's shape on CUDA. ``benchmarks/training/test_training.py`` times its
+training step next to ours.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -120,13 +131,15 @@ class GPT(nn.Module):
         return 6 * n + 12 * r.n_layer * seq_len * r.n_embd
 
 
-def optimizer(model: GPT, r: Recipe) -> torch.optim.AdamW:
+def optimizer(model: GPT, r: Recipe, fused: bool = False) -> torch.optim.AdamW:
+    """AdamW as nanoGPT configures it; ``fused`` (its choice on CUDA) takes the fused kernel."""
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [
         {"params": [p for p in params if p.dim() >= 2], "weight_decay": r.weight_decay},
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
     ]
-    return torch.optim.AdamW(groups, lr=r.lr, betas=(r.beta1, r.beta2))
+    extra = {"fused": True} if fused else {}
+    return torch.optim.AdamW(groups, lr=r.lr, betas=(r.beta1, r.beta2), **extra)
 
 
 def lr_at(it: int, r: Recipe) -> float:
@@ -147,74 +160,143 @@ def char_splits(text: str) -> tuple[Tensor, Tensor, int]:
     return ids[:cut], ids[cut:], len(chars)
 
 
-def batch(data: Tensor, r: Recipe) -> tuple[Tensor, Tensor]:
+def batch(data: Tensor, r: Recipe, device: str = "cpu") -> tuple[Tensor, Tensor]:
     ix = torch.randint(len(data) - r.block_size, (r.batch_size,))
     x = torch.stack([data[i : i + r.block_size] for i in ix.tolist()])
     y = torch.stack([data[i + 1 : i + 1 + r.block_size] for i in ix.tolist()])
+    if device.startswith("cuda"):  # as nanoGPT: pinned, asynchronous copies
+        return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(
+            device, non_blocking=True
+        )
     return x, y
 
 
-def train_step(model: GPT, opt: torch.optim.Optimizer, x: Tensor, y: Tensor, r: Recipe) -> float:
-    loss = model(x, y)
+def autocast(device: str, dtype: str) -> contextlib.AbstractContextManager[Any]:
+    """The forward's precision: fp32 plainly, else autocast to ``dtype`` (nanoGPT's ``ctx``)."""
+    if dtype == "float32":
+        return contextlib.nullcontext()
+    kind = "cuda" if device.startswith("cuda") else device
+    return torch.autocast(device_type=kind, dtype=getattr(torch, dtype))
+
+
+def train_step(
+    model: Callable[[Tensor, Tensor], Tensor],
+    opt: torch.optim.Optimizer,
+    x: Tensor,
+    y: Tensor,
+    r: Recipe,
+    precision: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
+) -> float:
+    """One optimizer step; ``model`` may be the module or its compiled forward. The loss read
+    back at the end synchronises with the device, so the step's time is all in."""
+    with precision():
+        loss = model(x, y)
     loss.backward()
     if r.grad_clip:
-        nn.utils.clip_grad_norm_(model.parameters(), r.grad_clip)
+        params = [p for group in opt.param_groups for p in group["params"]]
+        nn.utils.clip_grad_norm_(params, r.grad_clip)
     opt.step()
     opt.zero_grad(set_to_none=True)
     return float(loss.detach())
 
 
 @torch.no_grad()
-def estimate(model: GPT, data: Tensor, r: Recipe) -> float:
+def estimate(
+    model: GPT,
+    data: Tensor,
+    r: Recipe,
+    device: str = "cpu",
+    precision: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
+) -> float:
     model.eval()
-    loss = statistics.fmean(float(model(*batch(data, r))) for _ in range(r.eval_iters))
+    losses = []
+    for _ in range(r.eval_iters):
+        with precision():
+            losses.append(float(model(*batch(data, r, device))))
     model.train()
-    return loss
+    return statistics.fmean(losses)
 
 
 @torch.no_grad()
-def full_split_loss(model: GPT, data: Tensor, r: Recipe) -> float:
+def full_split_loss(
+    model: GPT,
+    data: Tensor,
+    r: Recipe,
+    device: str = "cpu",
+    precision: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
+) -> float:
     """Mean loss over every non-overlapping block of the split (as ``llmkit eval`` reads a
     held-out split), weighted by tokens."""
     model.eval()
     n = (len(data) - 1) // r.block_size
     x = data[: n * r.block_size].view(n, r.block_size)
     y = data[1 : n * r.block_size + 1].view(n, r.block_size)
-    total = sum(float(model(xb, yb)) * len(xb) for xb, yb in zip(x.split(64), y.split(64)))
+    total = 0.0
+    for xb, yb in zip(x.split(64), y.split(64)):
+        with precision():
+            total += float(model(xb.to(device), yb.to(device))) * len(xb)
     model.train()
     return total / n
 
 
-def run(text: str, r: Recipe, full_split: bool = True) -> dict:
+def run(
+    text: str,
+    r: Recipe,
+    full_split: bool = True,
+    *,
+    device: str = "cpu",
+    dtype: str = "float32",
+    compile: bool = False,
+    log_interval: int = 0,
+    log: Callable[[str], None] = print,
+) -> dict:
     """Train with the recipe; evaluations, the last validation loss (and the loss over the
-    whole validation split unless ``full_split`` is false) and the timings."""
+    whole validation split unless ``full_split`` is false) and the timings. ``device``,
+    ``dtype`` (the forward's autocast; float32 = none) and ``compile`` as in the module
+    docstring; ``log_interval`` > 0 logs nanoGPT's ``iter`` line every that many steps."""
     t_start = time.perf_counter()
     torch.manual_seed(r.seed)
+    cuda = device.startswith("cuda")
+    if cuda:
+        torch.backends.cuda.matmul.allow_tf32 = True  # as nanoGPT's train.py
+        torch.backends.cudnn.allow_tf32 = True
     train, val, vocab = char_splits(text)
-    model = GPT(r, vocab)
-    opt = optimizer(model, r)
+    model = GPT(r, vocab).to(device)
+    opt = optimizer(model, r, fused=cuda)
+    forward = torch.compile(model) if compile else model
+
+    def precision() -> contextlib.AbstractContextManager[Any]:
+        return autocast(device, dtype)
+
     evals, step_times = [], []
     for it in range(r.max_iters + 1):
         for g in opt.param_groups:
             g["lr"] = lr_at(it, r)
         if it % r.eval_interval == 0 or it == r.max_iters:
-            evals.append(
-                {"step": it, "train": estimate(model, train, r), "val": estimate(model, val, r)}
-            )
+            train_loss = estimate(model, train, r, device, precision)
+            evals.append({"step": it, "train": train_loss,
+                          "val": estimate(model, val, r, device, precision)})  # fmt: skip
         if it == r.max_iters:
             break
         t0 = time.perf_counter()
-        train_step(model, opt, *batch(train, r), r)
+        loss = train_step(forward, opt, *batch(train, r, device), r, precision)
         step_times.append(time.perf_counter() - t0)
+        if log_interval and it % log_interval == 0:
+            log(f"iter {it}: loss {loss:.4f}, time {step_times[-1] * 1000:.2f}ms")
     med = statistics.median(step_times[5:] or step_times)
     return {
         "recipe": asdict(r),
+        "device": device,
+        "dtype": dtype,
+        "compile": compile,
         "evals": evals,
         "val_loss": evals[-1]["val"],
         "wall_s": time.perf_counter() - t_start,
-        "full_val_loss": full_split_loss(model, val, r) if full_split else None,
+        "full_val_loss": full_split_loss(model, val, r, device, precision) if full_split else None,
         "train_s": sum(step_times),
         "tokens_per_s": r.batch_size * r.block_size / med,
+        "step_ms": [round(t * 1e3, 3) for t in step_times],
+        "flops_per_token": model.flops_per_token(r.block_size, r),
         "threads": torch.get_num_threads(),
     }
 
@@ -258,15 +340,48 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-iters", type=int, default=2000)
     ap.add_argument("--eval-iters", type=int, default=20, help="batches per estimate")
     ap.add_argument("--no-full-split", action="store_true", help="skip the full-split loss")
+    ap.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N")
+    ap.add_argument(
+        "--dtype",
+        choices=("auto", "float32", "bfloat16", "float16"),
+        default="auto",
+        help="the forward's autocast dtype; auto: bfloat16 on CUDA, float32 elsewhere",
+    )
+    ap.add_argument("--compile", action="store_true", help="torch.compile the training forward")
+    ap.add_argument("--log-interval", type=int, default=0, help="print an iter line every N")
+    defaults = Recipe()
+    for flag in ("n_layer", "n_head", "n_embd", "block_size", "batch_size", "eval_interval"):
+        ap.add_argument(f"--{flag.replace('_', '-')}", type=int, default=getattr(defaults, flag))
+    ap.add_argument("--dropout", type=float, default=defaults.dropout)
     args = ap.parse_args(argv)
     r = Recipe(
         seed=args.seed,
         max_iters=args.max_iters,
         lr_decay_iters=args.max_iters,
         eval_iters=args.eval_iters,
+        n_layer=args.n_layer,
+        n_head=args.n_head,
+        n_embd=args.n_embd,
+        block_size=args.block_size,
+        batch_size=args.batch_size,
+        eval_interval=args.eval_interval,
+        dropout=args.dropout,
     )
+    dtype = args.dtype
+    if dtype == "auto":
+        dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
     text = args.data.read_text(encoding="utf-8")
-    print(json.dumps(run(text, r, full_split=not args.no_full_split)))
+    result = run(
+        text,
+        r,
+        full_split=not args.no_full_split,
+        device=args.device,
+        dtype=dtype,
+        compile=args.compile,
+        log_interval=args.log_interval,
+        log=lambda line: print(line, flush=True),
+    )
+    print(json.dumps(result))
 
 
 if __name__ == "__main__":

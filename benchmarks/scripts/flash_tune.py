@@ -262,6 +262,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=Path("gpu-check"))
     ap.add_argument("--budget", type=float, default=150.0, help="seconds for the whole sweep")
     ap.add_argument("--dry-run", action="store_true")
+    ap.add_argument(
+        "--tiles",
+        type=Path,
+        help="write the fastest tiles found as a JSON file for LLMKIT_FLASH_TILES",
+    )
     a = ap.parse_args(argv)
     if not a.dry_run and not torch.cuda.is_available():
         print("flash_tune: no CUDA GPU")
@@ -274,11 +279,14 @@ def main(argv: list[str] | None = None) -> int:
     best: dict[str, Any] = {}
     for r in rec.records:
         if r.get("kind") == "flash" and "ms" in r and r.get("tiles"):
-            key = f"{r['kernel']}-D{r['D']}-W{r['W']}"
+            key = f"{r['kernel']}-D{r['D']}-W{int(bool(r['W']))}"
             if key not in best or r["ms"] < best[key]["ms"]:
                 best[key] = r
     for key, r in sorted(best.items()):
         print(f"best {key}: tiles {r['tiles']} {r['ms']} ms")
+    if a.tiles is not None:
+        tiles = {key: list(r["tiles"]) for key, r in best.items()}
+        a.tiles.write_text(json.dumps(tiles, indent=1) + "\n")
     return 0
 
 

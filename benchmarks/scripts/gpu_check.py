@@ -19,22 +19,25 @@ resolved by name through the registry, so the real components run, Triton paths 
      in fp32 on the CPU (the plain PyTorch path, per :mod:`llmkit.kernels.runtime`); plain =
      a copy in bf16 on the CPU. Parameters are perturbed from their initial values first.
 
-2. Speed: attention forward and forward+backward, causal, bf16, N = 1k…16k, D = 64 and 128,
-   B = 16384/N and H = 2048/D (constant tokens × width), for ``flash`` and ``sliding_window``
-   against the ``sdpa`` component forced to its flash backend
-   (``sdpa_kernel(SDPBackend.FLASH_ATTENTION)``); TFLOP/s by the formulas of
-   :mod:`llmkit.bench.kernels` (sliding window: windowed FLOPs). Then the Triton norm and ffn
-   against their PyTorch counterparts over 4k…64k tokens at width 4096.
+2. Speed, most wanted first (:func:`bench_plan`; a time budget cuts the rest): attention
+   forward+backward, causal, bf16, N = 1k…16k, D = 64 and 128, B = 16384/N and H = 2048/D
+   (constant tokens × width), ``flash`` against the ``sdpa`` component forced to its flash
+   backend (``sdpa_kernel(SDPBackend.FLASH_ATTENTION)``); the Triton norm against PyTorch's
+   at 4k…64k tokens of width 4096; ``sliding_window`` at W = 256, 512 and 1024 at N = 4k and
+   16k (its TFLOP/s on attended pairs next to flash's at the same N, and the ratio); then the
+   same forwards, and the Triton ffn against PyTorch's at 4k and 16k tokens. TFLOP/s by the
+   formulas of :mod:`llmkit.bench.kernels`.
 
-Writes ``gpu_check.md`` (the tables), ``gpu_check.json`` (every record) and PNG plots under
-``--out``; the first two are rewritten after every check and every benchmark case, so a run
-killed at any point keeps what it measured. Exit status: 0 all good; 1 a check failed, a
-component is missing or a benchmark errored; 2 no CUDA GPU (or ``TRITON_INTERPRET`` set); 3 a
-kernel broke the CUDA context (an illegal memory access makes every later CUDA call fail):
-``gpu_check.sh`` then reruns with ``--resume``, which skips what is done and the component
-that broke (reported), in a fresh process. A time budget (``--budget``, default 420 s from
-the first attempt's start) skips benchmark cases left when it runs out, so the whole run
-stays well under 8 min. Triton compile time is paid in each case's warm-up, not timed.
+Writes ``gpu_check.md`` (the tables), ``gpu_check.json`` (every record) and PNG plots
+(``--plots``: the kinds to draw, default all) under ``--out``; the first two are rewritten
+after every check and every benchmark case, so a run killed at any point keeps what it
+measured. Exit status: 0 all good; 1 a check failed, a component is missing or a benchmark
+errored; 2 no CUDA GPU (or ``TRITON_INTERPRET`` set); 3 a kernel broke the CUDA context (an
+illegal memory access makes every later CUDA call fail): ``gpu_run.py`` then reruns with
+``--resume``, which skips what is done and the component that broke (reported), in a fresh
+process. A time budget (``--budget``, default 420 s from the first attempt's start, checks
+included; ``gpu_run.py`` gives it its stage's time) skips the benchmark cases left when it
+runs out. Triton compile time is paid in each case's warm-up, not timed.
 
 ``--dry-run`` runs everything on the CPU at tiny shapes, in seconds: it checks this script's
 logic (``tests/bench/test_bench_kernels.py`` runs it) but no Triton kernel, since on a CPU every
@@ -62,29 +65,38 @@ from llmkit.bench import kernels as bk
 from llmkit.contracts import BuildContext
 
 CHECKS = ("attention.flash", "attention.sliding_window", "norm.rmsnorm_triton", "ffn.swiglu_triton")
-ATTENTION_BENCH = ("flash", "sliding_window")
+FLASH = "flash"
+WINDOWED = "sliding_window"
 #: (kind, component, its PyTorch counterpart) timed against each other.
 TOKEN_BENCH = (("norm", "rmsnorm_triton", "rmsnorm"), ("ffn", "swiglu_triton", "swiglu"))
 BASELINE = {kind: counterpart for kind, _, counterpart in TOKEN_BENCH}
 SDPA_FLASH = "sdpa-flash"
+#: What ``--plots`` draws by default (one PNG per kind; gpu_run.py asks for attention only).
+PLOT_KINDS = ("attention", "norm", "ffn")
 
 GPU = {
     "seq_lens": (1024, 2048, 4096, 8192, 16384),
     "head_dims": (64, 128),
+    "windows": (256, 512, 1024),  # sliding_window's W, each against flash at the same N
+    "window_seq_lens": (4096, 16384),
     "check_lens": (257, 1024),
     "tokens": (4096, 16384, 65536),
+    "ffn_tokens": (4096, 16384),
     "d_model": 4096,
     "check_width": {"norm": 1024, "ffn": 512},
     "check_tokens": 129,
-    "warmup": 3,
-    "repeats": 10,
-    "min_repeat_s": 0.02,
+    "warmup": 2,
+    "repeats": 7,
+    "min_repeat_s": 0.01,
 }
 DRY = {
     "seq_lens": (64, 128),
     "head_dims": (16,),
+    "windows": (16, 32),
+    "window_seq_lens": (128,),
     "check_lens": (33, 64),
     "tokens": (64, 128),
+    "ffn_tokens": (64,),
     "d_model": 64,
     "check_width": {"norm": 64, "ffn": 64},
     "check_tokens": 17,
@@ -368,11 +380,22 @@ def sdpa_flash_context() -> Any:
 
 
 def attention_entries(reg: Any) -> list[bk.Entry]:
-    """flash, SDPA forced to its flash backend, sliding_window (those registered)."""
-    present = [n for n in ATTENTION_BENCH if n in reg.names("attention")]
-    entries = [_entry(reg, n) for n in present[:1]]
+    """flash (if registered) and SDPA forced to its flash backend."""
+    entries = [_entry(reg, FLASH)] if FLASH in reg.names("attention") else []
     entries.append(bk.Entry(SDPA_FLASH, reg.get("attention", "sdpa"), context=sdpa_flash_context))
-    return entries + [_entry(reg, n) for n in present[1:]]
+    return entries
+
+
+def window_label(window: int) -> str:
+    return f"window-{window}"
+
+
+def window_entries(reg: Any, windows: tuple[int, ...]) -> list[bk.Entry]:
+    """sliding_window at each window W (labelled ``window-W``), if registered."""
+    if WINDOWED not in reg.names("attention"):
+        return []
+    record = reg.get("attention", WINDOWED)
+    return [bk.Entry(window_label(w), record, {"window": w}) for w in windows]
 
 
 def _entry(reg: Any, name: str, kind: str = "attention") -> bk.Entry:
@@ -380,15 +403,29 @@ def _entry(reg: Any, name: str, kind: str = "attention") -> bk.Entry:
 
 
 def bench_plan(reg: Any, cfg: dict) -> list[tuple[str, list[bk.Entry], dict]]:
-    """(kind, entries, sweep) in the order they run: attention first (the main table)."""
-    sweep = {"sizes": cfg["seq_lens"], "head_dims": cfg["head_dims"]}
-    plan = [("attention", attention_entries(reg), sweep)]
+    """(kind, entries, sweep) groups in the order they run, most wanted first, so a time
+    budget cuts the least wanted: flash vs SDPA-flash forward+backward (every N and D), the
+    norm forward+backward, the sliding windows forward+backward (flash at the same N is in
+    the first group), then the forwards, then the ffn."""
+    attn = {"sizes": cfg["seq_lens"], "head_dims": cfg["head_dims"]}
+    win = {"sizes": cfg["window_seq_lens"], "head_dims": cfg["head_dims"]}
+    token_entries = {}
     for kind, name, counterpart in TOKEN_BENCH:
         names = [n for n in (name, counterpart) if n in reg.names(kind)]
-        if names:
-            entries = [_entry(reg, n, kind) for n in names]
-            plan.append((kind, entries, {"sizes": cfg["tokens"], "head_dims": (None,)}))
-    return plan
+        token_entries[kind] = [_entry(reg, n, kind) for n in names]
+    norm = {"sizes": cfg["tokens"], "head_dims": (None,)}
+    ffn = {"sizes": cfg["ffn_tokens"], "head_dims": (None,)}
+    attention, windows = attention_entries(reg), window_entries(reg, cfg["windows"])
+    plan = [
+        ("attention", attention, {**attn, "modes": ("fwd+bwd",)}),
+        ("norm", token_entries["norm"], {**norm, "modes": ("fwd+bwd",)}),
+        ("attention", windows, {**win, "modes": ("fwd+bwd",)}),
+        ("attention", attention, {**attn, "modes": ("fwd",)}),
+        ("attention", windows, {**win, "modes": ("fwd",)}),
+        ("norm", token_entries["norm"], {**norm, "modes": ("fwd",)}),
+        ("ffn", token_entries["ffn"], {**ffn, "modes": ("fwd+bwd", "fwd")}),
+    ]
+    return [group for group in plan if group[1]]
 
 
 def _bench_key(kind: str, label: str, mode: str, head_dim: int | None, size: int) -> str:
@@ -400,7 +437,7 @@ def run_benchmarks(state: State, reg: Any, device: str, cfg: dict, deadline: flo
     comparisons), each record saved as it lands. A case whose call kills the CUDA context
     raises CudaLost (the wrapper resumes in a fresh process; that component is then skipped)."""
     for kind, entries, sweep in bench_plan(reg, cfg):
-        for mode in bk.MODES:
+        for mode in sweep["modes"]:
             for hd in sweep["head_dims"]:
                 for size in sweep["sizes"]:
                     for entry in entries:
@@ -480,6 +517,44 @@ def checks_markdown(checks: list[Check]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def window_markdown(records: list[dict]) -> str:
+    """One row per (mode, D, N) the windows ran at: flash's TFLOP/s, then each window's
+    TFLOP/s on its attended pairs and its ratio to flash's (> 1: more useful work per
+    second than flash on the full causal triangle), and its time against flash's."""
+    ok = {(r["component"], r["mode"], r["head_dim"], r["seq_len"]): r
+          for r in records if r["status"] == "ok"}  # fmt: skip
+    labels = list(dict.fromkeys(r["component"] for r in records
+                                if r["component"].startswith("window-")))  # fmt: skip
+    cases = list(dict.fromkeys((r["mode"], r["head_dim"], r["seq_len"]) for r in records
+                               if r["component"] in labels))  # fmt: skip
+    if not cases:
+        return "(no records)\n"
+    head = ["mode", "D", "N", f"{FLASH} TFLOP/s"]
+    for lab in labels:
+        w = lab.removeprefix("window-")
+        head += [f"W={w} TFLOP/s", f"W={w} / {FLASH} TFLOP/s", f"W={w} time vs {FLASH}"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+
+    def fmt(x: float | None) -> str:
+        return "-" if x is None else (f"{x:.3g}" if x < 100 else f"{x:,.0f}")
+
+    for mode, d, n in cases:
+        flash = ok.get((FLASH, mode, d, n))
+        row = [mode, str(d), str(n), fmt(flash and flash["tflops"])]
+        for lab in labels:
+            r = ok.get((lab, mode, d, n))
+            if r is None:
+                status = next((x["status"] for x in records if (x["component"], x["mode"],
+                               x["head_dim"], x["seq_len"]) == (lab, mode, d, n)), "-")  # fmt: skip
+                row += [status, "-", "-"]
+                continue
+            both = flash is not None and r["tflops"] and flash["tflops"]
+            row += [fmt(r["tflops"]), f"{r['tflops'] / flash['tflops']:.2f}×" if both else "-",
+                    f"{flash['median_s'] / r['median_s']:.2f}×" if both else "-"]  # fmt: skip
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def report(
     env: dict,
     checks: list[Check],
@@ -500,7 +575,10 @@ def report(
     failed = [c for c in checks if not c.ok]
     parts.append(f"{len(checks) - len(failed)} of {len(checks)} comparisons pass.\n")
     parts.append(checks_markdown(checks))
-    if benches.get("attention"):
+    attention = benches.get("attention") or []
+    full = [r for r in attention if not r["component"].startswith("window-")]
+    windows = [r for r in attention if r["component"].startswith("window-")]
+    if full:
         parts.append(
             "## Attention speed (causal; B = 16384/N, H = 2048/D)\n\n"
             f"TFLOP/s: {bk.ATTENTION_FLOPS}. `{SDPA_FLASH}` is the `sdpa` component under "
@@ -508,9 +586,19 @@ def report(
             "each kernel's (> 1 = faster than SDPA-flash). Triton compile time is excluded "
             "(warm-up calls).\n"
         )
-        parts.append(bk.pivot_markdown(benches["attention"], SDPA_FLASH))
-        parts.append("Peak memory and times:\n")
-        parts.append(bk.markdown_table(benches["attention"], SDPA_FLASH))
+        parts.append(bk.pivot_markdown(full, SDPA_FLASH))
+    if windows:
+        parts.append(
+            f"## Sliding window against {FLASH} (causal; B = 16384/N, H = 2048/D)\n\n"
+            "`window-W` is `sliding_window` with window W; its TFLOP/s count only the attended "
+            "pairs (N·W − W²/2), flash's the causal triangle (N²/2). The TFLOP/s ratio says how "
+            "close the band kernel runs to flash's rate; the time ratio is flash's time over "
+            "the window's (> 1 = the window is faster).\n"
+        )
+        parts.append(window_markdown(attention))
+    if attention:
+        parts.append("Attention peak memory and times:\n")
+        parts.append(bk.markdown_table(attention, SDPA_FLASH))
     for kind in ("norm", "ffn"):
         if benches.get(kind):
             base = BASELINE.get(kind)
@@ -529,6 +617,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--components", help=f"kind.name list to check (default {CHECKS})")
     parser.add_argument("--budget", type=float, default=420.0, help="seconds for benchmarks")
     parser.add_argument("--skip-checks", action="store_true")
+    parser.add_argument(
+        "--plots", default=",".join(PLOT_KINDS), help="kinds to plot (comma list, or none)"
+    )
     parser.add_argument("--skip-bench", action="store_true")
     parser.add_argument(
         "--resume", action="store_true", help="continue the run recorded in OUT/gpu_check.json"
@@ -590,7 +681,10 @@ def run(args: argparse.Namespace) -> int:
     except CudaLost as exc:
         print(f"CUDA context lost ({exc}); exit {EXIT_RESUME}: resume in a fresh process")
         return EXIT_RESUME
+    plots = [k.strip() for k in args.plots.split(",") if k.strip() and k.strip() != "none"]
     for kind, records in state.benches.items():
+        if kind not in plots:
+            continue
         try:
             bk.plot(records, out / f"gpu_check_{kind}.png")
         except Exception as exc:  # matplotlib missing: the tables are what matters

@@ -3,11 +3,14 @@ with it, kept once and found again by any later run that would make the same one
 
 A run trains its tokenizer and tokenizes its corpus into its own directory; with
 ``data.shared_cache`` (the default) it also keeps them here, so the next run over the same
-input files (path, size, modification time: the source's ``fingerprint()``), source options,
-seed and tokenizer spec takes them from the store instead of loading the corpus with
-``datasets``, training and tokenizing again. Token files are hard links where the store and
-the run share a file system (copies otherwise; a copy into the store only up to
-:data:`COPY_LIMIT`), so the run directory stays whole if the store is deleted.
+input files (the source's ``fingerprint()``: their content up to 64 MiB in all, else path,
+size and modification time; see :func:`llmkit.components.dataset.files_fingerprint`), source
+options, seed and tokenizer spec takes them from the store instead of loading the corpus with
+``datasets``, training and tokenizing again. Keyed by content, a store made on one machine
+serves a copy of the corpus at another path on another (``LLMKIT_CACHE_DIR`` pointing at a
+copy of the store), and that machine needs no ``datasets`` for it. Token files are hard links
+where the store and the run share a file system (copies otherwise; a copy into the store only
+up to :data:`COPY_LIMIT`), so the run directory stays whole if the store is deleted.
 
 Layout under :func:`store_root` (``$LLMKIT_CACHE_DIR``, else ``$XDG_CACHE_HOME/llmkit``,
 else ``~/.cache/llmkit``)::

@@ -568,6 +568,24 @@ _KERNELS = ("fwd", "dkdv", "dq")
 #: Tiles that replace the table's for one kernel ("fwd", "dkdv" or "dq"), whatever the head
 #: dim and dtype: benchmarks/scripts/flash_tune.py sets them to time candidates on a GPU.
 TILE_OVERRIDES: dict[str, BlockConfig] = {}
+#: A JSON file of measured 16-bit tiles, ``{"fwd-D64-W0": [BLOCK_M, BLOCK_N, warps, stages],
+#: …}`` (kernel, padded head dim, windowed), as ``flash_tune --tiles`` writes it: its entries
+#: replace the tables' in every process that sets the variable (read once).
+TILES_ENV = "LLMKIT_FLASH_TILES"
+_measured_tiles: dict[str, BlockConfig] | None = None
+
+
+def _tiles_from_env() -> dict[str, BlockConfig]:
+    global _measured_tiles
+    if _measured_tiles is None:
+        import json
+        import os
+        from pathlib import Path
+
+        path = os.environ.get(TILES_ENV)
+        raw = json.loads(Path(path).read_text()) if path else {}
+        _measured_tiles = {key: BlockConfig(*map(int, cfg)) for key, cfg in raw.items()}
+    return _measured_tiles
 
 
 def block_config(
@@ -590,11 +608,14 @@ def block_config(
         return BlockConfig(16, 16, 1, 1)
     if kernel in TILE_OVERRIDES:
         return TILE_OVERRIDES[kernel]
+    block_d = _block_d(head_dim)
     if dtype == torch.float32:
         table = _GPU_CONFIGS_FP32
     else:
+        measured = _tiles_from_env().get(f"{kernel}-D{block_d}-W{int(windowed)}")
+        if measured is not None:
+            return measured
         table = _GPU_CONFIGS_16BIT_WINDOW if windowed else _GPU_CONFIGS_16BIT
-    block_d = _block_d(head_dim)
     for limit, *configs in table:
         if block_d <= limit:
             return configs[_KERNELS.index(kernel)]

@@ -94,6 +94,67 @@ def test_an_edited_corpus_is_prepared_again(corpus: Path, tmp_path: Path, loads:
     assert second.key != first.key
 
 
+def _copy_elsewhere(tmp_path: Path, name: str) -> Path:
+    """A copy of the corpus in another directory, with another modification time (what a
+    checkout copied to another machine has)."""
+    there = tmp_path / name
+    there.mkdir()
+    copy = there / "corpus.txt"
+    copy.write_text(TEXT, encoding="utf-8")
+    os.utime(copy, ns=(1_000_000_000, 1_000_000_000))
+    return there
+
+
+def test_a_copy_of_the_corpus_elsewhere_takes_the_stored_files(
+    tmp_path: Path, loads: list[int], monkeypatch: pytest.MonkeyPatch
+):
+    """Keyed by content (and the path as the spec names it), a store made from one copy
+    serves another copy at another place: the run there loads no corpus (needs no
+    ``datasets``)."""
+    rs = make_rs([Path("corpus.txt")])  # relative, as a spec inside a checkout names it
+    monkeypatch.chdir(_copy_elsewhere(tmp_path, "here"))
+    first, _ = _prepare(rs, tmp_path / "run1")
+    monkeypatch.chdir(_copy_elsewhere(tmp_path, "there"))
+    os.utime("corpus.txt", ns=(2_000_000_000, 2_000_000_000))
+    second, lines = _prepare(rs, tmp_path / "run2")
+    assert len(loads) == 1, "the copy was prepared again"
+    assert second.key == first.key
+    assert sum("shared cache" in line for line in lines) == 2
+    np.testing.assert_array_equal(second.train.array, first.train.array)
+
+
+def test_a_same_size_edit_that_kept_the_time_is_prepared_again(
+    corpus: Path, tmp_path: Path, loads: list[int]
+):
+    rs = make_rs([corpus])
+    first, _ = _prepare(rs, tmp_path / "run1")
+    st = corpus.stat()
+    corpus.write_text(TEXT[::-1], encoding="utf-8")  # the same bytes, in another order
+    assert corpus.stat().st_size == st.st_size
+    os.utime(corpus, ns=(st.st_atime_ns, st.st_mtime_ns))
+    second, _ = _prepare(rs, tmp_path / "run2")
+    assert len(loads) == 2
+    assert second.key != first.key
+
+
+def test_large_inputs_are_keyed_by_path_size_and_time(
+    tmp_path: Path, loads: list[int], monkeypatch: pytest.MonkeyPatch
+):
+    """Past the content limit the key is the resolved path, size and modification time: a
+    copy at another place is prepared again, an untouched file is not."""
+    from llmkit.components import dataset
+
+    monkeypatch.setattr(dataset, "CONTENT_FINGERPRINT_LIMIT", 10)
+    rs = make_rs([Path("corpus.txt")])
+    monkeypatch.chdir(_copy_elsewhere(tmp_path, "here"))
+    _prepare(rs, tmp_path / "run1")
+    _prepare(rs, tmp_path / "run2")
+    assert len(loads) == 1
+    monkeypatch.chdir(_copy_elsewhere(tmp_path, "there"))
+    _prepare(rs, tmp_path / "run3")
+    assert len(loads) == 2
+
+
 @pytest.mark.parametrize(
     "change",
     [{"seed": 7}, {"source": {"val_fraction": 0.2}}, {"tokenizer": {"kind": "bpe"}}],

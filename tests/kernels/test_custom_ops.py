@@ -152,3 +152,23 @@ def test_model_compiles_with_fullgraph_and_matches_eager(device, attention, monk
     torch.testing.assert_close(loss, want_loss, atol=1e-5, rtol=1e-5)
     for name, g in grads.items():
         torch.testing.assert_close(g, want_grads[name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_measured_tiles_file_replaces_the_table(tmp_path, monkeypatch):
+    """LLMKIT_FLASH_TILES (flash_tune --tiles) replaces 16-bit tiles per kernel, head dim and
+    windowing; fp32 and the other keys keep the table's."""
+    import json
+
+    table = fa.block_config("fwd", 64, torch.bfloat16)
+    path = tmp_path / "tiles.json"
+    path.write_text(json.dumps({"fwd-D64-W0": [64, 32, 4, 5], "dq-D128-W1": [32, 32, 4, 2]}))
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setenv(fa.TILES_ENV, str(path))
+    monkeypatch.setattr(fa, "_measured_tiles", None)
+    assert fa.block_config("fwd", 64, torch.bfloat16) == fa.BlockConfig(64, 32, 4, 5)
+    assert fa.block_config("fwd", 64, torch.bfloat16, windowed=True) != (64, 32, 4, 5)
+    assert fa.block_config("dq", 128, torch.float16, windowed=True) == (32, 32, 4, 2)
+    assert fa.block_config("fwd", 64, torch.float32) != (64, 32, 4, 5)
+    monkeypatch.setattr(fa, "_measured_tiles", None)
+    monkeypatch.delenv(fa.TILES_ENV)
+    assert fa.block_config("fwd", 64, torch.bfloat16) == table
