@@ -197,7 +197,8 @@ class DataSpec(Strict):
         True,
         description="Keep the trained tokenizer and the token files in the shared cache "
         "($LLMKIT_CACHE_DIR, else ~/.cache/llmkit), and take them from there when an earlier "
-        "run made them from the same files (path, size, modification time), source options, "
+        "run made them from the same files (their content up to 64 MiB, else path, size and "
+        "modification time), source options, "
         "seed and tokenizer spec: the corpus is then not loaded at all.",
     )
     num_proc: int = Field(1, ge=1, description="Processes for tokenization (datasets.map).")
