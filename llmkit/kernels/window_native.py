@@ -258,8 +258,20 @@ def supports(
         torch.float16,
     ):
         return False
+    lanes = _lanes()
+    return lanes > 0 and q.shape[-1] % lanes == 0
+
+
+def _lanes() -> int:
+    """The kernel's vector width in floats, 0 without a kernel: a constant to torch.compile,
+    which cannot trace the library's lock and ctypes call."""
     lib = library()
-    return lib is not None and q.shape[-1] % lib.llmkit_window_lanes() == 0
+    return 0 if lib is None else int(lib.llmkit_window_lanes())
+
+
+# What ``torch.compiler.assume_constant_result`` does, without its import of torch._dynamo
+# (0.9 s, and a meta build must not pay it: tests/model/test_meta.py).
+_lanes._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 def window_attention_native(
@@ -279,9 +291,11 @@ def window_attention_native(
     first)."""
     if window < 1:
         raise ValueError(f"window must be ≥ 1, got {window}")
-    lib = lib if lib is not None else library()
-    if lib is None:
-        raise RuntimeError(f"the compiled window kernel is unavailable: {unavailable_reason()}")
+    compiling = torch.compiler.is_compiling()
+    if not compiling:  # (the operator finds the library itself, outside the trace)
+        lib = lib if lib is not None else library()
+        if lib is None:
+            raise RuntimeError(f"the compiled window kernel is unavailable: {unavailable_reason()}")
     dtype = q.dtype
     if dtype != torch.float32:  # computed in fp32; autograd casts the gradients back
         q, k, v = q.float(), k.float(), v.float()
@@ -291,7 +305,11 @@ def window_attention_native(
                 f"slopes {tuple(slopes.shape)} must be ({q.shape[1]},), one per query head"
             )
         slopes = slopes.detach().to("cpu", torch.float32).contiguous()
-    out = _WindowNative.apply(q, k, v, slopes, min(window, k.shape[2]), groups, lib)
+    window = min(window, k.shape[2])
+    if compiling:
+        out = window_native_fwd(q, k, v, slopes, window, groups)[0]
+    else:
+        out = _WindowNative.apply(q, k, v, slopes, window, groups, lib)
     return out.to(dtype)
 
 
@@ -324,7 +342,133 @@ def _each_pair(lib: ctypes.CDLL, call: Any, pairs: int, threads: int, floats: in
     run_parts([(i, i + 1) for i in range(pairs)], threads, part)
 
 
+def _forward(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    slopes: Tensor | None,
+    window: int,
+    groups: int,
+    lib: ctypes.CDLL,
+) -> tuple[Tensor, Tensor]:
+    """The forward kernel on fp32 CPU tensors: the output and the row log-sum-exp."""
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    bsz, hq, tq, d = q.shape
+    hkv, tk = k.shape[1], k.shape[2]
+    out = torch.empty_like(q)
+    lse = torch.empty(bsz, hq, tq, dtype=torch.float32, device="cpu")
+    floats = lib.llmkit_window_work(min(tk, tq + window - 1), d, window, 0)
+    scale = d**-0.5
+
+    def call(p0: int, p1: int, work: int, floats: int, threads: int) -> None:
+        lib.llmkit_window_forward(
+            q.data_ptr(), k.data_ptr(), v.data_ptr(),
+            None if slopes is None else slopes.data_ptr(), out.data_ptr(), lse.data_ptr(),
+            p0, p1, hkv, groups, tq, tk, d, window, scale, work, floats, threads,
+        )  # fmt: skip
+
+    _each_pair(lib, call, bsz * hkv, _threads(lib, q, k, window), floats)
+    return out, lse
+
+
+def _backward(
+    grad: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    slopes: Tensor | None,
+    window: int,
+    groups: int,
+    lib: ctypes.CDLL,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The backward kernel: (dq, dk, dv), fp32, contiguous."""
+    q, k, v, out = q.contiguous(), k.contiguous(), v.contiguous(), out.contiguous()
+    grad = grad.contiguous().float()
+    tq, d = q.shape[2], q.shape[3]
+    hkv, tk = k.shape[1], k.shape[2]
+    dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    floats = lib.llmkit_window_work(min(tk, tq + window - 1), d, window, 1)
+    scale = d**-0.5
+
+    def call(p0: int, p1: int, work: int, floats: int, threads: int) -> None:
+        lib.llmkit_window_backward(
+            q.data_ptr(), k.data_ptr(), v.data_ptr(),
+            None if slopes is None else slopes.data_ptr(), out.data_ptr(), grad.data_ptr(),
+            lse.data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr(),
+            p0, p1, hkv, groups, tq, tk, d, window, scale, work, floats, threads,
+        )  # fmt: skip
+
+    _each_pair(lib, call, q.shape[0] * hkv, _threads(lib, q, k, window), floats)
+    return dq, dk, dv
+
+
+# Under torch.compile the kernel runs as the custom operators ``llmkit::window_native_fwd`` /
+# ``_bwd`` (fake implementations, the backward as the forward's autograd formula): traced
+# code must not see the raw ``data_ptr()`` calls, which Dynamo would hand fake addresses.
+
+
+def _lib() -> ctypes.CDLL:
+    lib = library()
+    if lib is None:
+        raise RuntimeError(f"the compiled window kernel is unavailable: {unavailable_reason()}")
+    return lib
+
+
+@torch.library.custom_op("llmkit::window_native_fwd", mutates_args=())
+def window_native_fwd(
+    q: Tensor, k: Tensor, v: Tensor, slopes: Tensor | None, window: int, groups: int
+) -> tuple[Tensor, Tensor]:
+    """The forward kernel as a custom operator (fp32 CPU tensors)."""
+    return _forward(q, k, v, slopes, window, groups, _lib())
+
+
+@window_native_fwd.register_fake
+def _window_native_fwd_fake(q, k, v, slopes, window, groups):
+    b, hq, tq, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty((b, hq, tq), dtype=torch.float32)
+
+
+@torch.library.custom_op("llmkit::window_native_bwd", mutates_args=())
+def window_native_bwd(
+    grad: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    slopes: Tensor | None,
+    window: int,
+    groups: int,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The backward kernel as a custom operator."""
+    return _backward(grad, q, k, v, out, lse, slopes, window, groups, _lib())
+
+
+@window_native_bwd.register_fake
+def _window_native_bwd_fake(grad, q, k, v, out, lse, slopes, window, groups):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
+    q, k, v, slopes, window, groups = inputs
+    ctx.save_for_backward(q, k, v, *output)
+    ctx.slopes, ctx.window, ctx.groups = slopes, window, groups
+
+
+def _autograd_backward(ctx: Any, grad: Tensor, _dlse: Tensor) -> tuple[Tensor | None, ...]:
+    q, k, v, out, lse = ctx.saved_tensors
+    dq, dk, dv = window_native_bwd(grad, q, k, v, out, lse, ctx.slopes, ctx.window, ctx.groups)
+    return dq, dk, dv, None, None, None
+
+
+window_native_fwd.register_autograd(_autograd_backward, setup_context=_setup_context)
+
+
 class _WindowNative(torch.autograd.Function):
+    """Eager calls (a custom operator dispatches slower), with the library given."""
+
     @staticmethod
     def forward(
         ctx: Any,
@@ -336,22 +480,8 @@ class _WindowNative(torch.autograd.Function):
         groups: int,
         lib: ctypes.CDLL,
     ) -> Tensor:
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        bsz, hq, tq, d = q.shape
-        hkv, tk = k.shape[1], k.shape[2]
-        out = torch.empty_like(q)
-        lse = torch.empty(bsz, hq, tq, dtype=torch.float32, device="cpu")
-        floats = lib.llmkit_window_work(min(tk, tq + window - 1), d, window, 0)
-        scale = d**-0.5
-
-        def call(p0: int, p1: int, work: int, floats: int, threads: int) -> None:
-            lib.llmkit_window_forward(
-                q.data_ptr(), k.data_ptr(), v.data_ptr(),
-                None if slopes is None else slopes.data_ptr(), out.data_ptr(), lse.data_ptr(),
-                p0, p1, hkv, groups, tq, tk, d, window, scale, work, floats, threads,
-            )  # fmt: skip
-
-        _each_pair(lib, call, bsz * hkv, _threads(lib, q, k, window), floats)
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # saved as the kernel reads
+        out, lse = _forward(q, k, v, slopes, window, groups, lib)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.slopes, ctx.window, ctx.groups, ctx.lib = slopes, window, groups, lib
         return out
@@ -360,21 +490,5 @@ class _WindowNative(torch.autograd.Function):
     @once_differentiable
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
         q, k, v, out, lse = ctx.saved_tensors
-        slopes, window, groups, lib = ctx.slopes, ctx.window, ctx.groups, ctx.lib
-        grad = grad.contiguous().float()
-        tq, d = q.shape[2], q.shape[3]
-        hkv, tk = k.shape[1], k.shape[2]
-        dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        floats = lib.llmkit_window_work(min(tk, tq + window - 1), d, window, 1)
-        scale = d**-0.5
-
-        def call(p0: int, p1: int, work: int, floats: int, threads: int) -> None:
-            lib.llmkit_window_backward(
-                q.data_ptr(), k.data_ptr(), v.data_ptr(),
-                None if slopes is None else slopes.data_ptr(), out.data_ptr(), grad.data_ptr(),
-                lse.data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr(),
-                p0, p1, hkv, groups, tq, tk, d, window, scale, work, floats, threads,
-            )  # fmt: skip
-
-        _each_pair(lib, call, q.shape[0] * hkv, _threads(lib, q, k, window), floats)
+        dq, dk, dv = _backward(grad, q, k, v, out, lse, ctx.slopes, ctx.window, ctx.groups, ctx.lib)
         return dq, dk, dv, None, None, None, None

@@ -111,13 +111,15 @@ def test_huge_scores_outside_the_window_change_nothing(lib, alibi):
     slopes = _slopes(2, alibi)
     ins = [t.clone().requires_grad_(True) for t in (q, k, v)]
     out = window_native.window_attention_native(*ins, window, 1, slopes)
-    grad = torch.randn_like(out)
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(10))
     ref_ins = [t.double().requires_grad_(True) for t in (q, k, v)]
     ref = naive(*ref_ins, slopes=slopes, window=window)
     got = (out, *torch.autograd.grad(out, ins, grad))
     want = (ref, *torch.autograd.grad(ref, ref_ins, grad.double()))
+    # fp32 logits near 200 carry ~1e-5 of rounding; over 200 seeds the worst gradient error
+    # was 1.9e-4. A max taken outside the window is off by O(1).
     for g, w in zip(got, want):
-        torch.testing.assert_close(g.double(), w, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(g.double(), w, atol=5e-4, rtol=1e-4)
 
 
 def test_work_buffers_are_written_before_they_are_read(lib):
@@ -542,3 +544,40 @@ def test_cc_may_carry_a_launcher(fresh_state, monkeypatch):
     monkeypatch.setenv("CC", f"env {cc[0]}")
     assert window_native.compiler() == [shutil.which("env"), cc[0]]
     assert window_native.library() is not None, window_native.unavailable_reason()
+
+
+def test_custom_ops_pass_opcheck(lib):
+    """Under torch.compile the kernel runs as llmkit::window_native_fwd/_bwd: schema, fake
+    tensors, autograd registration and AOT dispatch."""
+    q, k, v = (t.detach() for t in make_qkv(2, 4, 2, 21, 21, 32, seed=3))
+    slopes = torch.tensor(alibi_slopes(4), dtype=torch.float32)
+    for s in (None, slopes):
+        args = (q.requires_grad_(True), k.requires_grad_(True), v.requires_grad_(True), s, 6, 2)
+        result = torch.library.opcheck(torch.ops.llmkit.window_native_fwd.default, args)
+        assert set(result.values()) == {"SUCCESS"}, result
+    out, lse = window_native.window_native_fwd(q.detach(), k.detach(), v.detach(), None, 6, 2)
+    grad = torch.randn_like(out)
+    args = (grad, q.detach(), k.detach(), v.detach(), out, lse, None, 6, 2)
+    result = torch.library.opcheck(torch.ops.llmkit.window_native_bwd.default, args)
+    assert set(result.values()) == {"SUCCESS"}, result
+
+
+def test_compiles_with_fullgraph_and_matches_eager(lib, count_calls):
+    """torch.compile must not trace into the ctypes calls (it once handed the kernel fake
+    addresses and corrupted memory): the component compiles with fullgraph=True, runs the
+    operator, and matches eager outputs and gradients."""
+    torch._dynamo.reset()
+    q, k, v = make_qkv(2, 4, 2, 40, 40, 32, seed=4)
+
+    def run(fn):
+        ins = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+        out = fn(*ins, 9)
+        out.backward(torch.ones_like(out))
+        return out.detach(), *(t.grad for t in ins)
+
+    want = run(sliding_window_attention)
+    eager_calls = count_calls["native"]
+    got = run(torch.compile(sliding_window_attention, fullgraph=True, backend="aot_eager"))
+    assert count_calls["native"] == eager_calls == 1  # the compiled call takes the operator
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
