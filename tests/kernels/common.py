@@ -1,5 +1,11 @@
-"""What the kernel tests share: the accuracy criterion, and whether this process's Triton
-can run the interpreter.
+"""What the kernel tests share: where the kernels run, the accuracy criterion, test-case
+helpers, and a spy on the kernels' public entry points.
+
+Where the kernels run (the ``kernel_device`` fixture of tests/kernels/conftest.py): with a
+CUDA GPU (and ``TRITON_INTERPRET`` not set when the session starts, :data:`GPU`), the
+compiled kernels on CUDA tensors, bf16 and GPU-sized shapes included; without one, the
+Triton interpreter on CPU tensors, on tiny shapes only (it is ~1000× slower than PyTorch) and
+without bf16 (its bf16 arithmetic is wrong in triton 3.9).
 
 Accuracy, as in flash-attention's own tests:
 
@@ -14,16 +20,55 @@ Each test module states its floors in its docstring.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import pytest
 import torch
 from torch import Tensor
 
+from llmkit.kernels import runtime
+
 CUDA = torch.cuda.is_available()
-DEVICE = "cuda" if CUDA else "cpu"
-BF16_REASON = "the Triton interpreter's bf16 arithmetic is wrong (triton 3.9)"
-#: bf16 as a parameter that runs only with CUDA.
-BF16 = pytest.param(torch.bfloat16, marks=pytest.mark.skipif(not CUDA, reason=BF16_REASON))
+#: The kernel tests run the compiled kernels on CUDA tensors: a CUDA GPU is present and the
+#: session was not started under ``TRITON_INTERPRET=1`` (which selects the CPU interpreter).
+GPU = CUDA and not runtime.interpreting()
+BF16_REASON = "the Triton interpreter's bf16 arithmetic is wrong (triton 3.9); bf16 runs on CUDA"
+GPU_SIZE_REASON = "GPU-sized shape (many GPU tiles): runs on CUDA, too slow for the interpreter"
+#: bf16 as a parameter that runs only on the GPU.
+BF16 = pytest.param(torch.bfloat16, marks=pytest.mark.skipif(not GPU, reason=BF16_REASON))
+
+
+def case(*values: Any, id: str, gpu_sized: bool = False) -> Any:
+    """A ``pytest.param`` that skips without the GPU when it is GPU-sized
+    (:data:`GPU_SIZE_REASON`) or holds ``torch.bfloat16`` among its values
+    (:data:`BF16_REASON`)."""
+    marks = []
+    if gpu_sized:
+        marks.append(pytest.mark.skipif(not GPU, reason=GPU_SIZE_REASON))
+    elif any(v is torch.bfloat16 for v in values):
+        marks.append(pytest.mark.skipif(not GPU, reason=BF16_REASON))
+    return pytest.param(*values, id=id, marks=marks)
+
+
+def dtype_id(dtype: torch.dtype) -> str:
+    """``fp32``, ``fp16`` or ``bf16``."""
+    return {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
+
+
+def spy(monkeypatch: pytest.MonkeyPatch, module: Any, name: str) -> list[tuple[tuple, dict]]:
+    """Replace the public function ``module.name`` for this test by a wrapper that records
+    the ``(args, kwargs)`` of every call and then calls the real function. The components
+    import their kernel module lazily and call its functions through the module attribute,
+    so the spy sees every call a component makes."""
+    calls: list[tuple[tuple, dict]] = []
+    real = getattr(module, name)
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        calls.append((args, kwargs))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, wrapper)
+    return calls
 
 
 def assert_within_budget(

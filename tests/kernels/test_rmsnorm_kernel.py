@@ -1,5 +1,12 @@
 """The fused RMSNorm Triton kernel (llmkit.kernels.rmsnorm) and the ``rmsnorm_triton``
-component, run in the Triton interpreter without a GPU.
+component: compiled on CUDA tensors with a GPU, in the Triton interpreter on CPU without one.
+
+Where the kernels run is the ``kernel_device`` fixture (tests/kernels/conftest.py). With a CUDA
+GPU the kernel tests run the compiled kernels on CUDA tensors and add bf16 and GPU-sized
+cases (rows of 1000–16000 features, more rows than the backward has programs). Without one
+they set ``TRITON_INTERPRET=1`` and run the kernels in the interpreter on tiny CPU tensors;
+bf16 (the interpreter's bf16 arithmetic is wrong in triton 3.9) and GPU-sized cases skip
+there, saying why. The reference-path tests run on CPU on every machine.
 
 Accuracy criterion: the reference is ``F.rms_norm`` in float64; the plain ``rmsnorm``
 component in the input dtype ("pt", fp32 math, output cast back) sets the error budget. For
@@ -7,8 +14,6 @@ y, dx and dweight::
 
     max|kernel − ref| ≤ 2 · max|pt − ref| + floor,   floor = 1e-5 (fp32), 2e-3 (fp16),
                                                       1e-2 (bf16, CUDA only)
-
-bf16 is skipped in the interpreter (its bf16 arithmetic is wrong in triton 3.9).
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from llmkit.components.norm.rmsnorm import RMSNorm
 from llmkit.components.norm.rmsnorm_triton import RMSNormTriton
 from llmkit.contracts import BuildContext
 from llmkit.kernels import runtime
-from tests.kernels.common import BF16, CUDA, DEVICE, assert_within_budget
+from tests.kernels.common import BF16, CUDA, assert_within_budget, case, spy
 
 rn = pytest.importorskip("llmkit.kernels.rmsnorm", reason="needs triton")
 
@@ -48,11 +53,13 @@ def inputs(shape, seed=0):
     return x, w, dy
 
 
-def grads(fn, x, w, dy, dtype):
-    x = x.to(DEVICE, dtype).requires_grad_(True)
-    w = w.to(DEVICE, dtype).requires_grad_(True)
+def grads(fn, x, w, dy, dtype, device):
+    """``fn``'s output and gradients for x and w, on ``device`` in ``dtype`` (a tensor
+    already there stays as it is, strides included)."""
+    x = x.to(device, dtype).requires_grad_(True)
+    w = w.to(device, dtype).requires_grad_(True)
     y = fn(x, w)
-    return [y.detach(), *torch.autograd.grad(y, (x, w), dy.to(DEVICE, dtype))]
+    return [y.detach(), *torch.autograd.grad(y, (x, w), dy.to(device, dtype))]
 
 
 def plain(x, w):
@@ -61,39 +68,57 @@ def plain(x, w):
 
 
 def test_in_interpreter_subprocess(rerun_in_interpreter):
-    """Where this process cannot interpret Triton, run the module in a child that can."""
+    """Where this process can run the kernels neither compiled nor interpreted, rerun the
+    module in a child that can interpret them."""
     rerun_in_interpreter(__file__)
 
 
-@pytest.mark.usefixtures("interpret")
+GPU_SHAPES = [(3, 333, 1000), (2, 300, 4096), (7, 16000)]
+
+
 @pytest.mark.parametrize(
     "dtype", [torch.float32, torch.float16, BF16], ids=["fp32", "fp16", "bf16"]
 )
-@pytest.mark.parametrize("shape", [(3, 7, 40), (1, 16), (2, 5, 64)], ids=str)
-def test_kernel_matches_reference(shape, dtype):
+@pytest.mark.parametrize(
+    "shape",
+    [
+        *((3, 7, 40), (1, 16), (2, 5, 64)),
+        *(case(s, id=f"gpu-{s}", gpu_sized=True) for s in GPU_SHAPES),
+    ],
+    ids=str,
+)
+def test_kernel_matches_reference(kernel_device, shape, dtype):
     x, w, dy = inputs(shape, seed=len(shape))
-    got = grads(lambda x, w: rn.rms_norm_triton(x, w, EPS), x, w, dy, dtype)
-    pt = grads(plain, x, w, dy, dtype)
-    ref = grads(lambda x, w: F.rms_norm(x, (x.shape[-1],), w, EPS), x, w, dy, torch.float64)
+    got = grads(lambda x, w: rn.rms_norm_triton(x, w, EPS), x, w, dy, dtype, kernel_device)
+    pt = grads(plain, x, w, dy, dtype, kernel_device)
+    ref = grads(
+        lambda x, w: F.rms_norm(x, (x.shape[-1],), w, EPS), x, w, dy, torch.float64, kernel_device
+    )
     assert_within_budget(("y", "dx", "dw"), got, pt, ref, FLOOR[dtype])
 
 
-@pytest.mark.usefixtures("interpret")
-def test_strided_rows_and_deterministic_backward():
+@pytest.mark.parametrize(
+    ("shape", "cols"),
+    [
+        case((6, 4, 32), 24, id="tiny"),
+        case((3, 333, 1024), 1000, id="gpu-999x1000", gpu_sized=True),
+    ],
+)
+def test_strided_rows_and_deterministic_backward(kernel_device, shape, cols):
     """Rows with a stride wider than the features (a column slice, kept as a view) give the
     plain result; reruns of forward and backward are bit-identical."""
-    wide, w, dy = inputs((6, 4, 32), seed=3)
-    view, dy = wide.to(DEVICE)[..., :24], dy[..., :24]
+    wide, w, dy = inputs(shape, seed=3)
+    view, w, dy = wide.to(kernel_device)[..., :cols], w[:cols], dy[..., :cols]
 
     def kernel(x, w):
-        assert x.reshape(-1, 24).stride(0) == 32  # the kernel reads the strided rows
+        assert x.reshape(-1, cols).stride(0) == shape[-1]  # the kernel reads the strided rows
         return rn.rms_norm_triton(x, w, EPS)
 
-    first = grads(kernel, view, w[:24], dy, torch.float32)
-    again = grads(kernel, view, w[:24], dy, torch.float32)
+    first = grads(kernel, view, w, dy, torch.float32, kernel_device)
+    again = grads(kernel, view, w, dy, torch.float32, kernel_device)
     for a, b in zip(first, again, strict=True):
         assert torch.equal(a, b)
-    ref = grads(plain, view, w[:24], dy, torch.float32)
+    ref = grads(plain, view, w, dy, torch.float32, kernel_device)
     for a, r in zip(first, ref, strict=True):
         torch.testing.assert_close(a, r, atol=1e-5, rtol=1e-5)
 
@@ -111,29 +136,40 @@ def test_component_shares_options_and_weights_with_rmsnorm():
     torch.testing.assert_close(fused(x), plain_norm(x))
 
 
-@pytest.mark.usefixtures("interpret")
-def test_component_dispatch(monkeypatch):
-    """The kernel for fp32/fp16; the reference for bf16 in the interpreter."""
-    calls: list[int] = []
-    real = rn.RMSNormFunction.apply
-    monkeypatch.setattr(rn.RMSNormFunction, "apply", lambda *a: calls.append(1) or real(*a))
-    norm = RMSNormTriton(RMSNormTriton.Options(), ctx(16)).to(DEVICE)
-    x = torch.randn(2, 3, 16, device=DEVICE)
+def test_component_dispatch(kernel_device, monkeypatch):
+    """The kernel for fp32 on the kernel device; for bf16 too on CUDA, while in the
+    interpreter bf16 takes the reference path."""
+    calls = spy(monkeypatch, rn, "rms_norm_triton")
+    norm = RMSNormTriton(RMSNormTriton.Options(), ctx(16)).to(kernel_device)
+    x = torch.randn(2, 3, 16, generator=torch.Generator().manual_seed(0)).to(kernel_device)
     torch.testing.assert_close(norm(x), RMSNorm.forward(norm, x), atol=1e-6, rtol=1e-5)
-    assert calls == [1]
+    assert len(calls) == 1
     y = norm.bfloat16()(x.bfloat16())
     assert y.dtype == torch.bfloat16
-    assert calls == [1, 1] if CUDA else [1]
+    assert len(calls) == (2 if kernel_device.type == "cuda" else 1)
+
+
+def test_interpreter_sends_cpu_bf16_to_the_reference(monkeypatch):
+    """Under TRITON_INTERPRET=1, CPU bf16 takes the reference path (the interpreter's bf16
+    is wrong): no kernel launches, so this runs on every machine."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    calls = spy(monkeypatch, rn, "rms_norm_triton")
+    norm = RMSNormTriton(RMSNormTriton.Options(), ctx(16)).bfloat16()
+    x = torch.randn(2, 3, 16).bfloat16()
+    y = norm(x)
+    assert not calls and y.dtype == torch.bfloat16
+    torch.testing.assert_close(y, RMSNorm.forward(norm, x))
 
 
 def test_component_reference_path_without_interpreter_logs_once(monkeypatch, caplog):
+    """CPU tensors without the interpreter take the reference path (on every machine)."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setattr(runtime, "_announced", set())
 
-    def boom(*args):
+    def boom(*args, **kwargs):
         raise AssertionError("the Triton kernel ran on CPU without the interpreter")
 
-    monkeypatch.setattr(rn.RMSNormFunction, "apply", boom)
+    monkeypatch.setattr(rn, "rms_norm_triton", boom)
     norm = RMSNormTriton(RMSNormTriton.Options(), ctx(16))
     x = torch.randn(2, 3, 16)
     with caplog.at_level(logging.INFO, logger="llmkit.kernels"):

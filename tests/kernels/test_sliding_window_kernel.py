@@ -1,16 +1,23 @@
 """The sliding-window attention Triton kernel (llmkit.kernels.sliding_window) and the
-``sliding_window`` component's dispatch, run in the Triton interpreter without a GPU.
+``sliding_window`` component's dispatch: compiled on CUDA tensors with a GPU, in the Triton
+interpreter on CPU without one.
+
+Where the kernels run is the ``kernel_device`` fixture (tests/kernels/conftest.py). With a CUDA
+GPU every kernel test runs the compiled kernels on CUDA tensors, and adds bf16 and GPU-sized
+cases (lengths 300, 333, 1000 against 64–128-row GPU tiles, windows below, across and above a
+tile). Without one it sets ``TRITON_INTERPRET=1`` for the test and runs the kernels in the
+interpreter on CPU tensors: tiny shapes only (≤ 64 keys, batch·heads ≤ 8; interpreter tiles
+are 16×16, so they still span several blocks with ragged tails), no bf16 (the interpreter's
+bf16 arithmetic is wrong in triton 3.9); those cases skip there, saying why. The argument
+checks and the reference-path tests run on CPU on every machine.
 
 Accuracy criterion (as flash-attention's tests): the reference is the textbook formula in
-float64 from explicit positions; the plain-PyTorch block-local implementation in the input
-dtype ("pt") sets the error budget. For the output and each of dq, dk, dv::
+float64 from explicit positions (on the kernel's device); the plain-PyTorch block-local
+implementation in the input dtype ("pt") sets the error budget. For the output and each of
+dq, dk, dv::
 
     max|kernel − ref| ≤ 2 · max|pt − ref| + floor,   floor = 1e-5 (fp32), 2e-3 (fp16),
                                                       1e-2 (bf16, CUDA only)
-
-bf16 is skipped in the interpreter: its bf16 arithmetic is wrong in triton 3.9. Interpreter
-tiles are 16×16, so the shapes below (≤ 64 keys, batch·heads ≤ 8) still span several blocks
-with ragged tails.
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ from llmkit.components.attention.sliding_window import (
 from llmkit.components.position.alibi import alibi_slopes
 from llmkit.contracts import BuildContext, DistanceBias
 from llmkit.kernels import runtime
-from tests.kernels.common import BF16_REASON, CUDA, DEVICE, assert_within_budget
+from tests.kernels.common import CUDA, assert_within_budget, case, spy
 
 sw = pytest.importorskip("llmkit.kernels.sliding_window", reason="needs triton")
 flash = pytest.importorskip("llmkit.kernels.flash_attention", reason="needs triton")
@@ -71,11 +78,21 @@ def make_inputs(b, hq, hkv, tq, tk, d, *, seed=0, pad_keys=0):
     return q, k, v, grad, pad
 
 
-def forward_backward(fn, q, k, v, grad, dtype):
-    ins = [t.to(DEVICE, dtype).requires_grad_(True) for t in (q, k, v)]
+def forward_backward(fn, q, k, v, grad, dtype, device):
+    """``fn``'s output and input gradients, on ``device`` in ``dtype``."""
+    ins = [t.to(device, dtype).requires_grad_(True) for t in (q, k, v)]
     out = fn(*ins)
-    grads = torch.autograd.grad(out, ins, grad.to(DEVICE, dtype))
+    grads = torch.autograd.grad(out, ins, grad.to(device, dtype))
     return [out.detach(), *grads]
+
+
+def textbook_grads(q, k, v, grad, window, device, *, slopes=None, pad=None):
+    """:func:`textbook`'s output and input gradients in float64 on ``device``."""
+    slopes = None if slopes is None else slopes.to(device)
+    pad = None if pad is None else pad.to(device)
+    ins = [t.to(device, torch.float64).requires_grad_(True) for t in (q, k, v)]
+    out = textbook(*ins, window, slopes=slopes, pad=pad)
+    return [out.detach(), *torch.autograd.grad(out, ins, grad.to(device, torch.float64))]
 
 
 def assert_grads_within_budget(got, pt, ref, dtype):
@@ -83,11 +100,12 @@ def assert_grads_within_budget(got, pt, ref, dtype):
 
 
 def test_in_interpreter_subprocess(rerun_in_interpreter):
-    """Where this process cannot interpret Triton, run the module in a child that can."""
+    """Where this process can run the kernels neither compiled nor interpreted, rerun the
+    module in a child that can interpret them."""
     rerun_in_interpreter(__file__)
 
 
-# (b, hq, hkv, tq, tk, d, window, alibi, padded keys)
+# (b, hq, hkv, tq, tk, d, window, alibi, padded keys): tiny, for every machine
 CASES = {
     "length-1": (1, 2, 1, 1, 1, 16, 4, False, 0),
     "ragged-batch2-gqa2": (2, 2, 1, 37, 37, 16, 5, False, 0),
@@ -100,27 +118,40 @@ CASES = {
     "left-padding": (2, 2, 1, 21, 29, 16, 6, True, 11),
 }
 LOW_PRECISION_CASES = ["ragged-batch2-gqa2", "gqa4-alibi", "decode-tq1", "left-padding"]
+# GPU-sized (CUDA only), in fp32, fp16 and bf16: lengths spanning several 64–128-row GPU tiles
+# with ragged tails; windows below, across and above a tile.
+GPU_CASES = {
+    "gpu-300-w64-alibi": (2, 4, 2, 300, 300, 64, 64, True, 0),
+    "gpu-333-w200-padding": (2, 4, 1, 333, 333, 64, 200, True, 57),
+    "gpu-1000-w257-d128-gqa4": (1, 8, 2, 1000, 1000, 128, 257, False, 0),
+    "gpu-300of1000-w100-alibi": (1, 4, 4, 300, 1000, 64, 100, True, 0),
+    "gpu-decode-tq1-1000-w128": (2, 4, 2, 1, 1000, 64, 128, True, 0),
+}
+SHAPES = CASES | GPU_CASES
+FP32, FP16, BF16 = torch.float32, torch.float16, torch.bfloat16
 
-
-def _param(case: str, dtype: torch.dtype):
-    skip = dtype == torch.bfloat16 and not CUDA
-    marks = [pytest.mark.skip(reason=BF16_REASON)] if skip else []
-    return pytest.param(case, dtype, marks=marks, id=f"{case}-{str(dtype).removeprefix('torch.')}")
-
-
-MATRIX = [_param(case, torch.float32) for case in CASES] + [
-    _param(case, dtype) for dtype in (torch.float16, torch.bfloat16) for case in LOW_PRECISION_CASES
+MATRIX = [
+    *(case(name, FP32, id=f"{name}-float32") for name in CASES),
+    *(
+        case(name, dtype, id=f"{name}-{str(dtype).removeprefix('torch.')}")
+        for dtype in (FP16, BF16)
+        for name in LOW_PRECISION_CASES
+    ),
+    *(
+        case(name, dtype, id=f"{name}-{str(dtype).removeprefix('torch.')}", gpu_sized=True)
+        for dtype in (FP32, FP16, BF16)
+        for name in GPU_CASES
+    ),
 ]
 
 
-@pytest.mark.usefixtures("interpret")
-@pytest.mark.parametrize(("case", "dtype"), MATRIX)
-def test_kernel_matches_reference(case, dtype):
-    b, hq, hkv, tq, tk, d, window, alibi, pad_keys = CASES[case]
+@pytest.mark.parametrize(("case_name", "dtype"), MATRIX)
+def test_kernel_matches_reference(kernel_device, case_name, dtype):
+    b, hq, hkv, tq, tk, d, window, alibi, pad_keys = SHAPES[case_name]
     q, k, v, grad, pad = make_inputs(b, hq, hkv, tq, tk, d, seed=tq * tk, pad_keys=pad_keys)
     slopes = torch.tensor(alibi_slopes(hq)) if alibi else None
-    dev_pad = None if pad is None else pad.to(DEVICE)
-    dev_slopes = None if slopes is None else slopes.to(DEVICE)
+    dev_pad = None if pad is None else pad.to(kernel_device)
+    dev_slopes = None if slopes is None else slopes.to(kernel_device)
 
     def kernel(q, k, v):
         return sw.sliding_window_attention_triton(
@@ -131,40 +162,50 @@ def test_kernel_matches_reference(case, dtype):
         bias = None if slopes is None else DistanceBias(dev_slopes)
         return sliding_window_attention(q, k, v, window, bias=bias, key_padding_mask=dev_pad)
 
-    got = forward_backward(kernel, q, k, v, grad, dtype)
-    pt = forward_backward(plain, q, k, v, grad, dtype)
-    ins = [t.double().requires_grad_(True) for t in (q, k, v)]
-    ref_out = textbook(*ins, window, slopes=slopes, pad=pad)
-    ref = [ref_out.detach(), *torch.autograd.grad(ref_out, ins, grad.double())]
-    assert_grads_within_budget(got, pt, [r.to(DEVICE) for r in ref], dtype)
+    got = forward_backward(kernel, q, k, v, grad, dtype, kernel_device)
+    pt = forward_backward(plain, q, k, v, grad, dtype, kernel_device)
+    ref = textbook_grads(q, k, v, grad, window, kernel_device, slopes=slopes, pad=pad)
+    assert_grads_within_budget(got, pt, ref, dtype)
     if pad_keys:  # queries whose whole window is padding return zeros
         empty = got[0][-1, :, : pad_keys - (tk - tq)]  # their newest key is padding
         assert empty.numel() and torch.equal(empty, torch.zeros_like(empty))
 
 
-@pytest.mark.usefixtures("interpret")
-@pytest.mark.parametrize(("block_m", "block_n"), [(16, 32), (32, 16)])
-def test_unequal_tiles(block_m, block_n):
+@pytest.mark.parametrize(
+    ("block_m", "block_n", "tq", "tk", "window", "dtype"),
+    [
+        case(16, 32, 19, 50, 13, FP32, id="16x32"),
+        case(32, 16, 19, 50, 13, FP32, id="32x16"),
+        case(128, 64, 300, 1000, 100, FP32, id="gpu-128x64-fp32", gpu_sized=True),
+        case(64, 128, 300, 1000, 100, BF16, id="gpu-64x128-bf16", gpu_sized=True),
+    ],
+)
+def test_unequal_tiles(kernel_device, block_m, block_n, tq, tk, window, dtype):
     """Block bounds hold when query and key tiles differ in size."""
-    q, k, v, grad, _ = make_inputs(1, 2, 1, 19, 50, 16, seed=3)
-    slopes = torch.tensor(alibi_slopes(2)).to(DEVICE)
+    q, k, v, grad, _ = make_inputs(1, 2, 1, tq, tk, 16, seed=3)
+    slopes = torch.tensor(alibi_slopes(2))
+    dev_slopes = slopes.to(kernel_device)
 
     def kernel(q, k, v):
         return sw.sliding_window_attention_triton(
-            q, k, v, 13, slopes=slopes, block_m=block_m, block_n=block_n
+            q, k, v, window, slopes=dev_slopes, block_m=block_m, block_n=block_n
         )
 
-    got = forward_backward(kernel, q, k, v, grad, torch.float32)
-    ins = [t.double().requires_grad_(True) for t in (q, k, v)]
-    ref_out = textbook(*ins, 13, slopes=slopes.cpu())
-    ref = [ref_out.detach(), *torch.autograd.grad(ref_out, ins, grad.double())]
-    for a, r in zip(got, ref, strict=True):
-        torch.testing.assert_close(a.double().cpu(), r, atol=1e-5, rtol=0)
+    def plain(q, k, v):
+        return sliding_window_attention(q, k, v, window, bias=DistanceBias(dev_slopes))
+
+    got = forward_backward(kernel, q, k, v, grad, dtype, kernel_device)
+    ref = textbook_grads(q, k, v, grad, window, kernel_device, slopes=slopes)
+    if dtype == FP32:
+        for a, r in zip(got, ref, strict=True):
+            torch.testing.assert_close(a.double(), r, atol=1e-5, rtol=0)
+    else:
+        pt = forward_backward(plain, q, k, v, grad, dtype, kernel_device)
+        assert_grads_within_budget(got, pt, ref, dtype)
 
 
-@pytest.mark.usefixtures("interpret")
 @pytest.mark.parametrize("tq", [1, 16])
-def test_only_window_blocks_are_read(tq):
+def test_only_window_blocks_are_read(kernel_device, tq):
     """Keys in blocks outside every window are never loaded: NaN there cannot leak into the
     output (0·NaN = NaN in a matmul), and their gradients are exactly zero."""
     tk, window = 64, 5
@@ -176,7 +217,7 @@ def test_only_window_blocks_are_read(tq):
     v[:, :, :cut] = float("nan")
     out, dq, dk, dv = forward_backward(
         lambda q, k, v: sw.sliding_window_attention_triton(q, k, v, window, block_n=16),
-        q, k, v, grad, torch.float32,
+        q, k, v, grad, torch.float32, kernel_device,
     )  # fmt: skip
     assert torch.isfinite(out).all() and torch.isfinite(dq).all()
     assert torch.equal(dk[:, :, :cut], torch.zeros_like(dk[:, :, :cut]))
@@ -185,42 +226,58 @@ def test_only_window_blocks_are_read(tq):
     torch.testing.assert_close(out.double().cpu(), ref, atol=1e-5, rtol=0)
 
 
-@pytest.mark.usefixtures("interpret")
-def test_backward_is_deterministic():
-    q, k, v, grad, pad = make_inputs(2, 4, 2, 30, 30, 16, seed=7, pad_keys=5)
-    slopes = torch.tensor(alibi_slopes(4)).to(DEVICE)
+@pytest.mark.parametrize(
+    ("b", "hq", "hkv", "t", "window", "pad_keys", "dtype"),
+    [
+        case(2, 4, 2, 30, 9, 5, FP32, id="tiny"),
+        case(2, 8, 2, 1000, 200, 77, BF16, id="gpu-1000-bf16", gpu_sized=True),
+    ],
+)
+def test_backward_is_deterministic(kernel_device, b, hq, hkv, t, window, pad_keys, dtype):
+    q, k, v, grad, pad = make_inputs(b, hq, hkv, t, t, 16, seed=7, pad_keys=pad_keys)
+    slopes = torch.tensor(alibi_slopes(hq)).to(kernel_device)
+    mask = pad.to(kernel_device)
 
     def run():
         return forward_backward(
             lambda q, k, v: sw.sliding_window_attention_triton(
-                q, k, v, 9, slopes=slopes, key_padding_mask=pad.to(DEVICE)
+                q, k, v, window, slopes=slopes, key_padding_mask=mask
             ),
-            q, k, v, grad, torch.float32,
+            q, k, v, grad, dtype, kernel_device,
         )  # fmt: skip
 
-    for a, b in zip(run(), run(), strict=True):
-        assert torch.equal(a, b)
+    for x, y in zip(run(), run(), strict=True):
+        assert torch.equal(x, y)
 
 
-@pytest.mark.usefixtures("interpret")
-@pytest.mark.parametrize("tq", [23, 5])
-def test_window_covering_every_key_is_plain_causal_flash(tq):
+@pytest.mark.parametrize(
+    ("tq", "tk", "dtype"),
+    [
+        case(23, 23, FP32, id="23"),
+        case(5, 23, FP32, id="5"),
+        case(300, 333, FP32, id="gpu-300of333-fp32", gpu_sized=True),
+        case(333, 333, BF16, id="gpu-333-bf16", gpu_sized=True),
+    ],
+)
+def test_window_covering_every_key_is_plain_causal_flash(kernel_device, tq, tk, dtype):
     """A window ≥ Tk changes nothing: outputs and gradients equal the flash kernel's without
     a window, bit for bit (same blocks, same order; the window mask keeps everything)."""
-    q, k, v, grad, pad = make_inputs(2, 4, 2, tq, 23, 16, seed=tq, pad_keys=4)
-    slopes = torch.tensor(alibi_slopes(4)).to(DEVICE)
-    bias, mask = DistanceBias(slopes), pad.to(DEVICE)
+    q, k, v, grad, pad = make_inputs(2, 4, 2, tq, tk, 16, seed=tq, pad_keys=4)
+    slopes = torch.tensor(alibi_slopes(4)).to(kernel_device)
+    bias, mask = DistanceBias(slopes), pad.to(kernel_device)
 
     def windowed(q, k, v):
-        return sw.sliding_window_attention_triton(q, k, v, 40, slopes=slopes, key_padding_mask=mask)
+        return sw.sliding_window_attention_triton(
+            q, k, v, tk + 17, slopes=slopes, key_padding_mask=mask
+        )
 
     def causal(q, k, v):
         return flash.flash_attention(q, k, v, causal=True, bias=bias, key_padding_mask=mask)
 
-    got = forward_backward(windowed, q, k, v, grad, torch.float32)
-    want = forward_backward(causal, q, k, v, grad, torch.float32)
-    for a, b in zip(got, want, strict=True):
-        assert torch.equal(a, b)
+    got = forward_backward(windowed, q, k, v, grad, dtype, kernel_device)
+    want = forward_backward(causal, q, k, v, grad, dtype, kernel_device)
+    for x, y in zip(got, want, strict=True):
+        assert torch.equal(x, y)
 
 
 def test_flash_rejects_a_bad_window():
@@ -251,46 +308,56 @@ def test_rejects_bad_arguments_and_takes_empty_queries():
 CTX = BuildContext(d_model=32, n_heads=4, n_kv_heads=2, head_dim=8, max_seq_len=64, n_layers=1)
 
 
-def _count_kernel_calls(monkeypatch) -> list[int]:
-    """The window of every call into the Triton kernels."""
-    calls: list[int] = []
-    real = flash.FlashAttentionFunction.apply
-    monkeypatch.setattr(
-        flash.FlashAttentionFunction, "apply", lambda *a: calls.append(a[6]) or real(*a)
-    )
-    return calls
+def _kernel_windows(monkeypatch):
+    """``windows()``: the window of every call the component has made into the kernel."""
+    calls = spy(monkeypatch, sw, "sliding_window_attention_triton")
+    return lambda: [args[3] for args, _ in calls]
 
 
-@pytest.mark.usefixtures("interpret")
-def test_component_dispatch(monkeypatch):
+def test_component_dispatch(kernel_device, monkeypatch):
     """The kernel in eval and in training without dropout (padding included); the reference
-    for dropout in training, and for bf16 in the interpreter."""
-    calls = _count_kernel_calls(monkeypatch)
-    q, k, v, _, pad = (t.to(DEVICE) for t in make_inputs(2, 4, 2, 9, 9, 8, pad_keys=3))
-    bias = DistanceBias(torch.tensor(alibi_slopes(4), device=DEVICE))
+    for dropout in training; bf16 takes the kernel on CUDA, the reference in the interpreter."""
+    windows = _kernel_windows(monkeypatch)
+    q, k, v, _, pad = (t.to(kernel_device) for t in make_inputs(2, 4, 2, 9, 9, 8, pad_keys=3))
+    bias = DistanceBias(torch.tensor(alibi_slopes(4), device=kernel_device))
     layer = SlidingWindowAttention(SlidingWindowAttention.Options(window=4), CTX)
     out = layer.eval()(q, k, v, bias=bias, key_padding_mask=pad)
-    assert calls == [4]
+    assert windows() == [4]
     want = sliding_window_attention(q, k, v, 4, bias=bias, key_padding_mask=pad)
     torch.testing.assert_close(out, want, atol=1e-5, rtol=0)
     layer.train()(q, k, v)
-    assert calls == [4, 4]
+    assert windows() == [4, 4]
 
     dropping = SlidingWindowAttention(SlidingWindowAttention.Options(window=4, dropout=0.5), CTX)
     dropping.train()(q, k, v)
-    assert calls == [4, 4]
-    dropping.eval()(q.bfloat16(), k.bfloat16(), v.bfloat16())
-    assert calls == [4, 4, 4] if CUDA else [4, 4]
+    assert windows() == [4, 4]
+    low = dropping.eval()(q.bfloat16(), k.bfloat16(), v.bfloat16())
+    assert low.dtype == torch.bfloat16
+    assert windows() == ([4, 4, 4] if kernel_device.type == "cuda" else [4, 4])
+
+
+def test_interpreter_sends_cpu_bf16_to_the_reference(monkeypatch):
+    """Under TRITON_INTERPRET=1, CPU bf16 takes the reference path (the interpreter's bf16
+    is wrong): no kernel launches, so this runs on every machine."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    windows = _kernel_windows(monkeypatch)
+    q, k, v = (t.bfloat16() for t in make_inputs(1, 4, 2, 7, 7, 8)[:3])
+    layer = SlidingWindowAttention(SlidingWindowAttention.Options(window=3), CTX).eval()
+    out = layer(q, k, v)
+    assert windows() == [] and out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, sliding_window_attention(q, k, v, 3))
 
 
 def test_component_reference_path_without_interpreter_logs_once(monkeypatch, caplog):
+    """CPU tensors without the interpreter take the reference path (on every machine)."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setattr(runtime, "_announced", set())
 
-    def boom(*args):
+    def boom(*args, **kwargs):
         raise AssertionError("the Triton kernel ran on CPU without the interpreter")
 
-    monkeypatch.setattr(flash.FlashAttentionFunction, "apply", boom)
+    monkeypatch.setattr(sw, "sliding_window_attention_triton", boom)
+    monkeypatch.setattr(flash, "flash_attention", boom)
     q, k, v, _, _ = make_inputs(1, 4, 2, 7, 7, 8)
     layer = SlidingWindowAttention(SlidingWindowAttention.Options(window=3), CTX).eval()
     with caplog.at_level(logging.INFO, logger="llmkit.kernels"):
