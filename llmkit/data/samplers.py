@@ -30,16 +30,25 @@ def _as_array(data: TokenFile | np.ndarray) -> np.ndarray:
     return data.array if isinstance(data, TokenFile) else np.asarray(data)
 
 
-def _blocks(array: np.ndarray, starts: np.ndarray, block_size: int) -> tuple[Any, Any]:
+def _blocks(
+    array: np.ndarray, starts: np.ndarray, block_size: int, pin: bool = False
+) -> tuple[Any, Any]:
+    """Inputs and targets of the blocks of ``block_size + 1`` tokens at ``starts``: one
+    gather of the stored ids, each half widened to int64 straight into its tensor (in
+    page-locked memory when ``pin``, for a copy to a GPU that the host does not wait for)."""
     import torch
 
     index = starts[:, None] + np.arange(block_size + 1)[None, :]
-    block = torch.from_numpy(array[index].astype(np.int64))
-    return block[:, :-1].contiguous(), block[:, 1:].contiguous()
+    block = np.asarray(array[index])
+    x = torch.empty((len(starts), block_size), dtype=torch.int64, pin_memory=pin)
+    y = torch.empty((len(starts), block_size), dtype=torch.int64, pin_memory=pin)
+    x.numpy()[...] = block[:, :-1]
+    y.numpy()[...] = block[:, 1:]
+    return x, y
 
 
 def _masked_blocks(
-    array: np.ndarray, mask: np.ndarray, starts: np.ndarray, block_size: int
+    array: np.ndarray, mask: np.ndarray, starts: np.ndarray, block_size: int, pin: bool = False
 ) -> tuple[Any, Any]:
     """As :func:`_blocks`, with -100 for the targets the mask leaves out."""
     import torch
@@ -47,7 +56,13 @@ def _masked_blocks(
     index = starts[:, None] + np.arange(block_size + 1)[None, :]
     block = array[index].astype(np.int64)
     y = np.where(mask[index[:, 1:]] != 0, block[:, 1:], IGNORE)
-    return torch.from_numpy(np.ascontiguousarray(block[:, :-1])), torch.from_numpy(y)
+    x = torch.from_numpy(np.ascontiguousarray(block[:, :-1]))
+    return _pinned(x, pin), _pinned(torch.from_numpy(y), pin)
+
+
+def _pinned(t: torch.Tensor, pin: bool) -> torch.Tensor:
+    """``t``, in page-locked memory when ``pin``."""
+    return t.pin_memory() if pin else t
 
 
 def _mask_of(data: TokenFile | np.ndarray, mask: np.ndarray | None) -> np.ndarray | None:
@@ -118,6 +133,7 @@ def _padded_rows(
     docs: np.ndarray,
     block_size: int,
     pad_id: int,
+    pin: bool = False,
 ) -> tuple[Any, Any]:
     """One document per row (its first ``block_size + 1`` tokens), padded on the right with
     ``pad_id`` inputs and ignored targets."""
@@ -132,7 +148,7 @@ def _padded_rows(
         n = len(ids) - 1
         x[row, :n] = ids[:-1]
         y[row, :n] = ids[1:] if mask is None else np.where(mask[s + 1 : e] != 0, ids[1:], IGNORE)
-    return torch.from_numpy(x), torch.from_numpy(y)
+    return _pinned(torch.from_numpy(x), pin), _pinned(torch.from_numpy(y), pin)
 
 
 def _pad_id(data: TokenFile | np.ndarray) -> int:
@@ -176,6 +192,7 @@ class _Sampler(ABC):
         name: str = "train",
         mask: np.ndarray | None = None,
         bounds: np.ndarray | None = None,
+        pin_memory: bool = False,
     ) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside world_size {world_size}")
@@ -186,6 +203,9 @@ class _Sampler(ABC):
         self.world_size = world_size
         self.mask = _mask_of(data, mask)
         self._bounds = bounds
+        #: Batches are built in page-locked memory (for a CUDA device: copied without the
+        #: host waiting); needs a CUDA build of torch.
+        self.pin_memory = pin_memory
         self.n_blocks = self._count(name)
         self._start(name)
 
@@ -290,9 +310,10 @@ class BlockSampler(_Sampler):
         blocks, epochs = self._next(batch_size)
         shifts = np.array([self.shift(int(e)) for e in epochs], dtype=np.int64)
         starts = blocks * self.block_size + shifts
+        pin, array = self.pin_memory, _as_array(self.data)
         if self.mask is not None:
-            return _masked_blocks(_as_array(self.data), self.mask, starts, self.block_size)
-        return _blocks(_as_array(self.data), starts, self.block_size)
+            return _masked_blocks(array, self.mask, starts, self.block_size, pin)
+        return _blocks(array, starts, self.block_size, pin)
 
     @property
     def tokens_per_epoch(self) -> int:
@@ -367,7 +388,9 @@ class PaddedSampler(BlockSampler):
         """Inputs and targets, LongTensors of shape (batch_size, block_size)."""
         docs = self._next(batch_size)[0]
         array = _as_array(self.data)
-        return _padded_rows(array, self.mask, self.bounds, docs, self.block_size, self._pad)
+        return _padded_rows(
+            array, self.mask, self.bounds, docs, self.block_size, self._pad, self.pin_memory
+        )
 
 
 class RandomWindowSampler(_Sampler):
@@ -390,9 +413,10 @@ class RandomWindowSampler(_Sampler):
         high = len(self.data) - self.block_size  # last valid start + 1
         if self.mask is None:
             starts = rng.integers(0, high, size=batch_size)
-            return _blocks(_as_array(self.data), starts, self.block_size)
+            return _blocks(_as_array(self.data), starts, self.block_size, self.pin_memory)
         starts = self._trained_starts(rng, high, batch_size)
-        return _masked_blocks(_as_array(self.data), self.mask, starts, self.block_size)
+        array = _as_array(self.data)
+        return _masked_blocks(array, self.mask, starts, self.block_size, self.pin_memory)
 
     def _trained_starts(self, rng: np.random.Generator, high: int, n: int) -> np.ndarray:
         found: list[np.ndarray] = []

@@ -63,13 +63,31 @@ class DistContext:
         """The mean of each value over ranks, in one all-reduce (one sync)."""
         if not values:
             return []
-        t = torch.stack(
-            [torch.as_tensor(v, dtype=torch.float32).detach().reshape(()) for v in values]
-        ).to(self.device)
+        return self.mean_tensor(values).tolist()
+
+    def mean_tensor(self, values: Sequence[float | torch.Tensor]) -> torch.Tensor:
+        """The mean of each value over ranks, in one all-reduce, as a float32 vector on this
+        process's device that the host has not read: tensors already there are gathered by
+        a kernel, floats written by one (``torch.tensor(v, device=cuda)`` would wait for the
+        GPU), and an NCCL all-reduce only orders the GPU's stream."""
+        parts = [
+            v.detach().to(self.device, torch.float32, non_blocking=True).reshape(1)
+            if isinstance(v, torch.Tensor)
+            else torch.full((1,), float(v), dtype=torch.float32, device=self.device)
+            for v in values
+        ]
+        t = torch.cat(parts) if parts else torch.zeros(0, device=self.device)
         if self.distributed:
             torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.SUM)
             t = t / self.world_size
-        return t.cpu().tolist()
+        return t
+
+    def sum_tensor(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` summed over ranks (in place, one all-reduce; itself on one process), on its
+        device: the host reads nothing."""
+        if self.distributed:
+            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.SUM)
+        return t
 
     def sum(self, values: Sequence[float]) -> list[float]:
         """The sum of each value over ranks (float64 on the wire, for token counts)."""

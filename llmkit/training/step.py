@@ -7,13 +7,20 @@ the last micro-batch; each micro-batch weighted by its share of the step's train
 targets), gradient clipping, the reported values averaged over ranks in one transfer, and
 the optimizer step — unless the loss or the gradient is not finite, in which case the
 update is dropped and the result says so (the caller decides to stop or skip).
+
+The host never waits for the device in a step whose optimizer takes torch's ``found_inf``
+(the fused AdamW the ``adamw`` component builds on a CPU or a GPU, any optimizer with
+``_step_supports_amp_scaling``): the non-finite check is a device tensor handed to the
+optimizer, whose kernel then leaves weights, moments and step count as they were, and the
+:class:`StepResult` is read only when asked (the trainer asks at its log, evaluation and
+checkpoint steps). Any other optimizer, and fp16's grad scaler, read the check on the host
+before stepping: one transfer a step (free on a CPU).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -45,16 +52,105 @@ def resolve_precision(
     return hardware.choose_precision(requested, device, (tokens, d, 4 * d), cache)
 
 
-@dataclass
 class StepResult:
     """What one step did: the objective (mean over micro-batches and ranks), the gradient
     norm before clipping, every auxiliary loss and metric as ``aux/<path>`` and
-    ``metric/<path>``, and whether the update was applied."""
+    ``metric/<path>``, and whether the update was applied.
 
-    loss: float
-    grad_norm: float
-    reported: dict[str, float] = field(default_factory=dict)
-    applied: bool = True
+    A step that left the non-finite check to the device returns its values as one device
+    vector (:meth:`on_device`); the first attribute read copies it to the host, waiting for
+    the step's kernels. :meth:`read_all` reads many results in one transfer; :attr:`known`
+    says whether reading costs a wait."""
+
+    def __init__(
+        self,
+        loss: float,
+        grad_norm: float,
+        reported: dict[str, float] | None = None,
+        applied: bool = True,
+    ) -> None:
+        self._values: tuple[bool, float, float, dict[str, float]] | None = (
+            bool(applied),
+            float(loss),
+            float(grad_norm),
+            dict(reported or {}),
+        )
+        self._packed: Tensor | None = None
+        self._names: list[str] = []
+
+    @classmethod
+    def on_device(cls, packed: Tensor, names: Sequence[str]) -> StepResult:
+        """A result still on the device: ``packed`` is the float vector ``[applied (1 or
+        0), loss, grad_norm, *reported]``, ``names`` the reported values' names."""
+        result = cls.__new__(cls)
+        result._values, result._packed, result._names = None, packed.detach(), list(names)
+        return result
+
+    @property
+    def known(self) -> bool:
+        """Whether the values are on the host already (reading them waits for nothing)."""
+        return self._values is not None
+
+    def _fill(self, values: list[float]) -> None:
+        applied, loss, grad_norm, *rest = values
+        self._values = (applied > 0.5, loss, grad_norm, dict(zip(self._names, rest, strict=True)))
+        self._packed = None
+
+    def _read(self) -> tuple[bool, float, float, dict[str, float]]:
+        if self._values is None:
+            StepResult.read_all([self])
+        assert self._values is not None
+        return self._values
+
+    @staticmethod
+    def read_all(results: Iterable[StepResult]) -> None:
+        """Bring every result still on the device to the host in one transfer (one wait)."""
+        pending = [r for r in results if r._values is None]
+        if not pending:
+            return
+        assert all(r._packed is not None for r in pending)
+        packs = [r._packed for r in pending]
+        flat = torch.cat([p.to(packs[0].device) for p in packs]).tolist()  # type: ignore[union-attr]
+        at = 0
+        for r, p in zip(pending, packs, strict=True):
+            n = p.numel()  # type: ignore[union-attr]
+            r._fill(flat[at : at + n])
+            at += n
+
+    @property
+    def applied(self) -> bool:
+        return self._read()[0]
+
+    @property
+    def loss(self) -> float:
+        return self._read()[1]
+
+    @property
+    def grad_norm(self) -> float:
+        return self._read()[2]
+
+    @property
+    def reported(self) -> dict[str, float]:
+        return self._read()[3]
+
+    def __repr__(self) -> str:
+        if self._values is None:
+            return f"StepResult(<on {self._packed.device}, not read>)"  # type: ignore[union-attr]
+        applied, loss, grad_norm, reported = self._values
+        return (
+            f"StepResult(loss={loss!r}, grad_norm={grad_norm!r}, reported={reported!r}, "
+            f"applied={applied!r})"
+        )
+
+
+def skips_on_device(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` drops its own update when given ``found_inf``: torch's fused
+    Adam/AdamW/SGD/Adagrad set ``_step_supports_amp_scaling`` (the flag the grad scaler
+    goes by) and pass ``optimizer.found_inf`` to their kernel, which returns at once when
+    it is nonzero — weights and moments untouched; the step count (Adam, AdamW, Adagrad),
+    incremented before the kernel, is decremented by ``found_inf`` after it (torch 2.13:
+    ``torch/optim/adam.py``, ``_fused_adam``). The host reads nothing."""
+    return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
 
 
 def _detached(value: Any) -> Any:
@@ -101,21 +197,43 @@ class TrainStep:
         self.wrapped = wrapped if wrapped is not None else model
         self.forward = forward if forward is not None else self.wrapped
         self.scaler = torch.amp.GradScaler(self.device.type) if precision == "fp16" else None
+        #: The optimizer drops a non-finite step on the device (:func:`skips_on_device`).
+        self.device_skip = skips_on_device(optimizer)
+        self._pin = self.device.type == "cuda"
 
-    def _target_weights(self, targets: list[Tensor]) -> list[float]:
+    def _target_weights(self, targets: list[Tensor]) -> Tensor:
         """Each micro-batch's share of the step's trained targets (those not -100) over
         every micro-batch and rank, times the number of ranks (data-parallel gradients are
         averaged over ranks): the step's objective is then the mean over all its trained
         targets, however unevenly masks and padding spread them. A micro-batch with none
         adds only its auxiliary losses; a step with none keeps 1/n each (the objective's
-        value for no targets, not finite for the model's cross-entropy, decides)."""
-        counts = [int((y != IGNORE).sum()) for y in targets]
-        total = sum(counts)
-        if self.strategy.distributed:
-            total = int(self.strategy.sum([float(total)])[0])
-        if total == 0:
-            return [1.0 / len(targets)] * len(targets)
-        return [self.strategy.world_size * c / total for c in counts]
+        value for no targets, not finite for the model's cross-entropy, decides).
+
+        A float32 vector on the step's device, counted there (the ranks' total by an
+        all-reduce): the host reads none of it."""
+        counts = torch.stack([(y != IGNORE).sum() for y in targets])  # int64: exact
+        total = self.strategy.sum_tensor(counts.sum())
+        shares = counts.float() * self.strategy.world_size / total.float()
+        return torch.where(total > 0, shares, 1.0 / len(targets))
+
+    def _to_device(self, t: Tensor) -> Tensor:
+        """A batch tensor on the step's device: a CPU tensor bound for a GPU is copied from
+        page-locked memory (pinned here unless the sampler pinned it) without the host
+        waiting (the pinned block is not reused before the copy is done: torch's host
+        allocator records the copy)."""
+        if self._pin and t.device.type == "cpu" and not t.is_pinned():
+            t = t.pin_memory()
+        return t.to(self.device, non_blocking=True)
+
+    def _grad_norm(self) -> Tensor:
+        """The gradients' total norm (before clipping), clipping them to ``grad_clip`` — a
+        device scalar; neither reads it on the host (no ``error_if_nonfinite``)."""
+        if math.isinf(self.clip) and hasattr(torch.nn.utils, "get_total_norm"):  # torch ≥ 2.6
+            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+            norm = torch.nn.utils.get_total_norm(grads)
+        else:
+            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
+        return self.strategy.full_tensor(norm)
 
     def __call__(
         self, next_batch: Callable[[], tuple[Tensor, Tensor]], lr_factor: float | None = None
@@ -126,52 +244,64 @@ class TrainStep:
             self.model.train()
         n = self.grad_accum
         batches = [next_batch() for _ in range(n)]
+        batches = [(self._to_device(x), self._to_device(y)) for x, y in batches]
         weights = self._target_weights([y for _, y in batches])
+        trained = weights != 0
         loss_sum = torch.zeros((), device=self.device)
         aux_sums: dict[str, Any] = {}
         metric_sums: dict[str, Any] = {}
-        for micro, ((x, y), weight) in enumerate(zip(batches, weights, strict=True)):
-            x = x.to(self.device, non_blocking=True)
-            y = y.to(self.device, non_blocking=True)
+        for micro, (x, y) in enumerate(batches):
+            weight, keep = weights[micro], trained[micro]
             with self.strategy.grad_sync(self.wrapped, micro == n - 1):  # all-reduce once
                 with hardware.autocast(self.device, self.precision):
                     out = self.objective(self.forward, x, y)
                     # A micro-batch without trained targets has weight 0 (its mean, NaN for
                     # the cross-entropy, zeroed): its backward still runs, and all-reduces.
-                    loss = (out.loss if weight else out.loss.nan_to_num(0.0)) * weight
+                    loss = torch.where(keep, out.loss, 0.0) * weight
                     for value in out.aux_losses.values():
                         loss = loss + value / n
+                mean_loss, aux, metrics = out.loss.detach(), out.aux_losses, out.metrics
+                del out  # its logits (batch × block × vocab): backward does not need them
                 if self.scaler is not None:
                     self.scaler.scale(loss).backward()
                 else:
                     loss.backward()
-            if weight:
-                loss_sum += out.loss.detach().float() * weight
-            for k, v in out.aux_losses.items():
+            del loss
+            loss_sum += torch.where(keep, mean_loss.float(), 0.0) * weight
+            for k, v in aux.items():
                 aux_sums[k] = aux_sums.get(k, 0.0) + _detached(v) / n
-            for k, v in out.metrics.items():
+            for k, v in metrics.items():
                 metric_sums[k] = metric_sums.get(k, 0.0) + _detached(v) / n
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
-        grad_norm = self.strategy.full_tensor(grad_norm)
-        # Everything reported, averaged over ranks, in one transfer (one sync).
+        grad_norm = self._grad_norm()
+        # Everything reported, averaged over ranks, in one all-reduce; [applied, loss,
+        # grad_norm, *reported] in one device vector.
         names = [f"aux/{k}" for k in aux_sums] + [f"metric/{k}" for k in metric_sums]
-        loss_value, *values = self.strategy.mean(
-            [loss_sum, *aux_sums.values(), *metric_sums.values()]
-        )
-        result = StepResult(loss_value, float(grad_norm), dict(zip(names, values)))
+        values = self.strategy.mean_tensor([loss_sum, *aux_sums.values(), *metric_sums.values()])
+        grad_norm = grad_norm.detach().to(self.device, torch.float32).reshape(1)
         # Without a scaler any non-finite value drops the update. With one (fp16), gradients
         # that overflow are the scaler's business (it skips the update and lowers the
         # scale); a non-finite loss is not, and is reported like any other.
-        finite = math.isfinite(loss_value) and (
-            self.scaler is not None or math.isfinite(result.grad_norm)
+        finite = torch.isfinite(values[:1])
+        if self.scaler is None:
+            finite = finite & torch.isfinite(grad_norm)
+        result = StepResult.on_device(
+            torch.cat([finite.float(), values[:1], grad_norm, values[1:]]), names
         )
-        if not finite:
+        if self.scaler is None and self.device_skip:
+            # The optimizer's kernel reads the check: nothing waits for the device.
+            self.optimizer.found_inf = (~finite).float().reshape(())  # type: ignore[attr-defined]
+            try:
+                self.optimizer.step()
+            finally:
+                del self.optimizer.found_inf  # type: ignore[attr-defined]
+            self.optimizer.zero_grad(set_to_none=True)
+            return result
+        if not result.applied:  # the host decides: one transfer
             self.optimizer.zero_grad(set_to_none=True)
             if self.scaler is not None:
                 self.scaler.update()  # closes this step's unscale_; the scale drops too
-            result.applied = False
             return result
         if self.scaler is not None:
             self.scaler.step(self.optimizer)

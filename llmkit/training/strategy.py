@@ -87,8 +87,16 @@ class ParallelStrategy:
     def mean(self, values: Sequence[float | Tensor]) -> list[float]:
         return self.ctx.mean(values)
 
+    def mean_tensor(self, values: Sequence[float | Tensor]) -> Tensor:
+        """:meth:`mean` as a float32 vector on this process's device, not read by the host."""
+        return self.ctx.mean_tensor(values)
+
     def sum(self, values: Sequence[float]) -> list[float]:
         return self.ctx.sum(values)
+
+    def sum_tensor(self, t: Tensor) -> Tensor:
+        """``t`` summed over ranks on its device (in place), not read by the host."""
+        return self.ctx.sum_tensor(t)
 
     def broadcast(self, obj: Any) -> Any:
         return self.ctx.broadcast(obj)

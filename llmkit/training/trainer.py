@@ -42,6 +42,10 @@ from llmkit.training.progress import ProgressDisplay, StopSignals
 from llmkit.training.step import StepResult, TrainStep, resolve_precision
 from llmkit.training.strategy import ParallelStrategy
 
+#: The most steps whose outcome the host leaves unread (they are read at the next logged,
+#: evaluated or checkpointed step, or after this many).
+MAX_PENDING = 100
+
 
 class NonFiniteLoss(LlmkitError):
     """The loss or gradient became NaN/inf."""
@@ -73,6 +77,7 @@ class Trainer:
 
     _plotted = -math.inf  # time.monotonic() of the last loss-curve drawing
     _skipped = 0  # consecutive non-finite steps skipped
+    _pending: list[StepResult]  # steps taken whose outcome the host has not read yet
     _lock: RunLock | None = None  # held on rank 0 from set-up to the end of fit()
 
     def __init__(
@@ -163,6 +168,7 @@ class Trainer:
             t.seed,
             rank=strategy.rank,
             world_size=strategy.world_size,
+            pin_memory=self.device.type == "cuda",  # copied to the GPU without waiting
         )
 
         # Evaluation needs one validation block: fail now, not after the first eval_interval.
@@ -349,17 +355,27 @@ class Trainer:
         interval_t0, interval_tokens = time.perf_counter(), 0
         display = ProgressDisplay(t.max_steps, self.step, self.log, self.progress)
         self.log = display.log
+        step_tokens = t.batch_size * t.grad_accum * self.block_size * strategy.world_size
+        self._pending = []
         try:
             while self.step < t.max_steps:
                 self._injected_failure()
-                record = self._train_step()
-                if record is None:  # skipped a non-finite step
-                    continue
+                result = self._train_step()
+                self._pending.append(result)
                 self.step += 1
-                step_tokens = t.batch_size * t.grad_accum * self.block_size * strategy.world_size
                 self.tokens += step_tokens
                 interval_tokens += step_tokens
                 self.elapsed = time.perf_counter() - start_wall
+                out_of_time, signalled = self._stop_flags()
+                if not (result.known or out_of_time or signalled or self._settle_due()):
+                    continue  # its outcome is read at the next check point
+                # Read the steps since the last check; skipped ones did not count.
+                skipped, record = self._settle()
+                self.step -= skipped
+                self.tokens -= skipped * step_tokens
+                interval_tokens -= skipped * step_tokens
+                if record is None:  # the latest step was skipped
+                    continue
                 if self.step % t.log_interval == 0 or self.step == t.max_steps:
                     now = time.perf_counter()
                     tps = interval_tokens / max(now - interval_t0, 1e-9)
@@ -375,7 +391,6 @@ class Trainer:
                         self.metrics.write(record)
                     history.append(record)
                     display.show(record)
-                out_of_time, signalled = self._stop_flags()
                 final = self.step == t.max_steps or out_of_time or signalled
                 improved = False  # only a checkpoint evaluated at its own step can be best
                 if self.step % t.eval_interval == 0 or final:
@@ -436,37 +451,69 @@ class Trainer:
     def _next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.sampler.next_batch(self.t.batch_size)
 
-    def _train_step(self) -> dict[str, Any] | None:
-        """One optimizer step (:class:`TrainStep`) and its metrics record; None for a skipped
-        non-finite step."""
-        result: StepResult = self.train_step(self._next_batch, self.lr_factor(self.step))
-        if not result.applied:
-            return self._non_finite(result.loss, result.grad_norm)
-        self._skipped = 0
+    def _train_step(self) -> StepResult:
+        """One optimizer step (:class:`TrainStep`); its outcome may still be on the device."""
+        return self.train_step(self._next_batch, self.lr_factor(self.step))
+
+    def _settle_due(self) -> bool:
+        """Whether the trainer reads the outcome of the steps taken after the one just
+        taken: at a logged, evaluated or checkpointed step, the last one, or when
+        :data:`MAX_PENDING` steps are unread."""
+        t, step = self.t, self.step
+        ckpt_every = t.checkpoint_interval or t.eval_interval
+        return (
+            step % t.log_interval == 0
+            or step % t.eval_interval == 0
+            or step % ckpt_every == 0
+            or step in t.checkpoint_steps
+            or step >= t.max_steps
+            or len(self._pending) >= MAX_PENDING
+        )
+
+    def _settle(self) -> tuple[int, dict[str, Any] | None]:
+        """Read the outcome of every step taken since the last check (one transfer): each
+        non-finite one stops the run or is skipped (:meth:`_non_finite`; its update was
+        dropped on the device already). Returns how many were skipped, and the metrics
+        record of the latest step (None when it was skipped)."""
+        pending, self._pending = self._pending, []
+        StepResult.read_all(pending)
+        first = self.step - len(pending)  # steps counted before them
+        skipped = 0
+        for i, result in enumerate(pending):
+            if result.applied:
+                self._skipped = 0
+            else:  # it did not count: the steps after it are numbered one lower
+                self._non_finite(first + i + 1 - skipped, result.loss, result.grad_norm)
+                skipped += 1
+        latest = pending[-1]
+        if not latest.applied:
+            return skipped, None
         record: dict[str, Any] = {
-            "step": self.step + 1,
-            "loss": round(result.loss, 6),
+            "step": self.step - skipped,
+            "loss": round(latest.loss, 6),
             "lr": self.optimizer.param_groups[0]["lr"],
-            "grad_norm": round(result.grad_norm, 6),
+            "grad_norm": round(latest.grad_norm, 6),
         }
-        record.update({k: round(v, 6) for k, v in result.reported.items()})
-        return record
+        record.update({k: round(v, 6) for k, v in latest.reported.items()})
+        return skipped, record
 
     def _last_good(self) -> str:
         latest = self.checkpoints.latest()
         return f"last good checkpoint: {latest}" if latest else "no checkpoint was written yet"
 
-    def _non_finite(self, loss: float, grad_norm: float) -> None:
+    def _non_finite(self, step: int, loss: float, grad_norm: float) -> None:
+        """Step ``step`` had a non-finite loss or gradient (its update was not applied):
+        stop the run, or (``on_nonfinite = "skip"``) log the skip, stopping at ten in a row."""
         where = self._last_good()
         what = f"non-finite {'loss' if not math.isfinite(loss) else 'gradient'}"
         if self.t.on_nonfinite == "skip":
             self._skipped += 1
-            self.log(f"step {self.step + 1}: {what} ({loss}), step skipped")
+            self.log(f"step {step}: {what} ({loss}), step skipped")
             if self._skipped < 10:
-                return None
+                return
             raise NonFiniteLoss(f"10 consecutive steps with a {what}; stopped ({where})")
         raise NonFiniteLoss(
-            f"{what} at step {self.step + 1} (loss {loss}, grad norm {grad_norm}); stopped "
+            f"{what} at step {step} (loss {loss}, grad norm {grad_norm}); stopped "
             f"without saving ({where}); lower the lr or set train.on_nonfinite='skip'"
         )
 

@@ -252,11 +252,11 @@ def _poison_after(monkeypatch, step: int) -> None:
     original = train_mod.Trainer._train_step
 
     def poisoned(self):
-        record = original(self)
-        if record is not None and record["step"] == step:
+        result = original(self)
+        if self.step + 1 == step:  # the step just taken (counted once it returns)
             with torch.no_grad():
                 next(self.model.parameters()).view(-1)[0] = float("nan")
-        return record
+        return result
 
     monkeypatch.setattr(train_mod.Trainer, "_train_step", poisoned)
 

@@ -14,7 +14,7 @@ import torch
 
 from llmkit.errors import LlmkitError
 from llmkit.runs.checkpoints import Checkpoints
-from llmkit.training import train
+from llmkit.training import StepResult, train
 from tests.conftest import ROOT
 from tests.helpers import write_train_spec
 from tests.training.kill_resume import (
@@ -295,14 +295,88 @@ def test_skip_mode_skips_non_finite_steps(tmp_path, monkeypatch):
 
     def flaky(self):
         calls["n"] += 1
-        if calls["n"] == 2:  # one step whose loss came out NaN
-            return self._non_finite(float("nan"), float("nan"))
+        if calls["n"] == 2:  # one step whose loss came out NaN (its update dropped)
+            return StepResult(float("nan"), float("nan"), applied=False)
         return original(self)
 
     monkeypatch.setattr(train_mod.Trainer, "_train_step", flaky)
     spec = write_spec(tmp_path, max_steps=4, eval_interval=4, on_nonfinite="skip")
     result = train(spec, run_dir=tmp_path / "run", **_quiet())
     assert result.step == 4 and calls["n"] == 5
+
+
+def _poison_training_calls(monkeypatch, *calls: int) -> dict[str, int]:
+    """Make the objective's loss NaN on the given training forwards (1-based; evaluation's
+    forwards, without gradients, are not counted). Returns the running count."""
+    from llmkit.training.objective import Objective, ObjectiveOutput
+
+    count = {"n": 0}
+    real = Objective.__call__
+
+    def poisoned(self, forward, x, y, **kw):
+        out = real(self, forward, x, y, **kw)
+        if not torch.is_grad_enabled():
+            return out
+        count["n"] += 1
+        if count["n"] in calls:
+            return ObjectiveOutput(out.loss * float("nan"), out.aux_losses, out.metrics)
+        return out
+
+    monkeypatch.setattr(Objective, "__call__", poisoned)
+    return count
+
+
+def test_the_trainer_reads_step_outcomes_only_at_its_check_points(tmp_path, monkeypatch):
+    # The fused AdamW drops a non-finite step on the device, so the host reads the steps'
+    # outcomes only at logged, evaluated and checkpointed steps: four at a time here.
+    real = StepResult.read_all
+    reads: list[int] = []
+
+    def counting(results):
+        results = list(results)
+        reads.append(sum(not r.known for r in results))
+        real(results)
+
+    monkeypatch.setattr(StepResult, "read_all", staticmethod(counting))
+    spec = write_spec(tmp_path, max_steps=12, eval_interval=12, log_interval=4)
+    result = train(spec, run_dir=tmp_path / "run", **_quiet())
+    assert result.step == 12 and reads == [4, 4, 4]
+    assert [m["step"] for m in result.history if "loss" in m] == [4, 8, 12]
+
+
+def test_skip_mode_redoes_a_step_dropped_on_the_device(tmp_path, monkeypatch):
+    # Step 3's loss is NaN: its update is dropped on the device at once, the trainer learns
+    # of it at step 4 (a logged step), and the step is taken again (skips do not count).
+    count = _poison_training_calls(monkeypatch, 3)
+    messages: list[str] = []
+    spec = write_spec(tmp_path, max_steps=8, eval_interval=8, log_interval=4, on_nonfinite="skip")
+    run = tmp_path / "run"
+    result = train(spec, run_dir=run, log=messages.append, progress=False)
+    assert result.step == 8 and count["n"] == 9
+    assert "step 3: non-finite loss (nan), step skipped" in messages
+    assert [m["step"] for m in result.history if "loss" in m] == [4, 8]
+    assert result.history[1]["tokens"] == 8 * 4 * 32  # the skipped step's tokens not counted
+    state = torch.load(Checkpoints(run).latest() / "state.pt", weights_only=True)
+    steps = {float(s["step"]) for s in state["optimizer"]["state"].values()}
+    assert steps == {8.0}  # eight updates: the dropped one reverted its step count
+
+
+def test_ten_skipped_steps_in_a_row_stop_the_run(tmp_path, monkeypatch):
+    _poison_training_calls(monkeypatch, *range(2, 40))
+    spec = write_spec(tmp_path, max_steps=30, eval_interval=30, log_interval=7, on_nonfinite="skip")
+    with pytest.raises(LlmkitError, match="10 consecutive steps with a non-finite loss"):
+        train(spec, run_dir=tmp_path / "run", **_quiet())
+
+
+def test_a_non_finite_step_found_at_the_next_check_point_is_named(tmp_path, monkeypatch):
+    # on_nonfinite = "stop": the update of step 2 is dropped on the device; the run stops at
+    # step 5, the first logged step, naming step 2, and saves nothing.
+    count = _poison_training_calls(monkeypatch, 2)
+    run = tmp_path / "run"
+    spec = write_spec(tmp_path, max_steps=10, eval_interval=10, log_interval=5)
+    with pytest.raises(LlmkitError, match=r"non-finite loss at step 2 \(loss nan"):
+        train(spec, run_dir=run, **_quiet())
+    assert count["n"] == 5 and Checkpoints(run).latest() is None
 
 
 @pytest.mark.parametrize("precision", ["bf16"])

@@ -25,7 +25,10 @@ class LearnedPosition(PositionalScheme):
         nn.init.normal_(self.wpe.weight, std=0.02)
 
     def embed(self, x: Tensor, positions: Tensor) -> Tensor:
-        if positions.numel():
+        # The range is checked where reading it costs nothing: on a GPU the host would wait
+        # for the device every forward (twice), and the embedding's own bounds check (a
+        # device-side assertion) still stops an out-of-range position there.
+        if positions.numel() and positions.device.type == "cpu":
             lo, hi = int(positions.min()), int(positions.max())
             if lo < 0 or hi >= self.max_seq_len:
                 raise ValueError(
