@@ -6,7 +6,8 @@ The public API is what ``__all__`` lists, imported as ``from llmkit import name`
 - contracts: ``ComponentOptions``, ``NoOptions``, ``BuildContext``, ``SideOutputs``,
   ``DistanceBias``, ``AttentionKernel``, ``PositionalScheme``, ``ffn_hidden``,
   ``POSITION_SITES``, and the block seams ``Block``, ``BlockParts``, ``AttentionInputs``,
-  ``QKTransform`` (:mod:`llmkit.contracts`);
+  ``QKTransform``, adapters ``AdapterOptions`` and ``WeightAdapter``, trackers
+  ``LoggerContext`` and ``MetricsLogger`` (:mod:`llmkit.contracts`);
 - attention ops: ``reference_attention`` (the one reference every kernel matches),
   ``sdpa_attention``, ``check_shapes``, ``attention_mask`` (:mod:`llmkit.ops`);
 - optimizers and schedules: ``OptimizerOptions``, ``ScheduleOptions``, ``WarmupOptions``,
@@ -40,6 +41,7 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and IDEs
     from llmkit.cli import main as cli_main
     from llmkit.contracts import (
         POSITION_SITES,
+        AdapterOptions,
         AttentionInputs,
         AttentionKernel,
         Block,
@@ -47,10 +49,13 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and IDEs
         BuildContext,
         ComponentOptions,
         DistanceBias,
+        LoggerContext,
+        MetricsLogger,
         NoOptions,
         PositionalScheme,
         QKTransform,
         SideOutputs,
+        WeightAdapter,
         ffn_hidden,
     )
     from llmkit.errors import LlmkitError, PluginError, RegistryError, SpecError
@@ -91,6 +96,10 @@ _LAZY: dict[str, str] = {
     "PositionalScheme": "llmkit.contracts",
     "SideOutputs": "llmkit.contracts",
     "ffn_hidden": "llmkit.contracts",
+    "AdapterOptions": "llmkit.contracts",
+    "WeightAdapter": "llmkit.contracts",
+    "LoggerContext": "llmkit.contracts",
+    "MetricsLogger": "llmkit.contracts",
     "attention_mask": "llmkit.ops",
     "check_shapes": "llmkit.ops",
     "reference_attention": "llmkit.ops",
@@ -130,6 +139,7 @@ _LAZY: dict[str, str] = {
 
 __all__ = [
     "POSITION_SITES",
+    "AdapterOptions",
     "AttentionInputs",
     "AttentionKernel",
     "Beta",
@@ -142,6 +152,8 @@ __all__ = [
     "Generator",
     "Kind",
     "LlmkitError",
+    "LoggerContext",
+    "MetricsLogger",
     "ModelOutput",
     "NoOptions",
     "OptimizerOptions",
@@ -157,6 +169,7 @@ __all__ = [
     "SpecError",
     "Transformer",
     "WarmupOptions",
+    "WeightAdapter",
     "__version__",
     "attention_mask",
     "build_model",

@@ -31,6 +31,17 @@ Per kind (see each ``check_*`` function for the details):
   tiny model training and KV-cache decoding (:mod:`llmkit.testing.block`).
 - ``qk_transform``: shapes with grouped kv heads, token by token, gradients, and tiny models
   with plain and windowed kernels (:mod:`llmkit.testing.qk_transform`).
+- ``dataset``: ``splits(seed)`` gives non-empty ``train`` and ``validation`` with a string
+  ``text`` column, the same for the same seed, validation not a copy of train; a one-line
+  ``describe()``; a stable ``fingerprint()`` (:mod:`llmkit.testing.dataset`; with required
+  options and none given, the generic part only).
+- ``adapter``: an ``AdapterOptions`` model, a ``WeightAdapter`` whose adapted weight keeps
+  shape and dtype, starts equal to the base weight, is a function of the weight and its own
+  trainable parameters alone, and gives the same outputs parametrized on a linear layer and
+  merged (:mod:`llmkit.testing.adapter`).
+- ``logger``: a ``MetricsLogger`` that takes ordered records (numbers, NaN, strings, slash
+  names), a resumed build, one ``close()``, and writes nothing outside its run directory
+  (:mod:`llmkit.testing.logger`; skipped when the tracker's package is missing).
 - any other kind (plugins may add kinds): the kind's own check, which it names in
   ``register_kinds(..., check="module:attr")``; without one, :func:`check_generic`: the
   options model validates its defaults (unless it has required fields, e.g. a dataset's
@@ -49,18 +60,22 @@ test, default ``["float32", "bfloat16"]``), ``position_wise`` (ffn/norm: False s
 no-mixing check, e.g. capacity-limited MoE routing), ``acts_on`` (position).
 
 One module per kind (``llmkit.testing.attention``, ``.ffn``, ``.norm``, ``.position``,
-``.optimizer``, ``.schedule``), ``.generic`` for what every kind is checked for, ``.suite`` for
+``.optimizer``, ``.schedule``, ``.block``, ``.qk_transform``, ``.dataset``, ``.adapter``,
+``.logger``), ``.generic`` for what every kind is checked for, ``.suite`` for
 the dispatch over the registry, ``.combinations`` for whole models and ``.common`` for shared
 helpers; this package re-exports the public names. pytest is imported only inside
 :func:`conformance_params`.
 """
 
+from llmkit.testing.adapter import check_adapter
 from llmkit.testing.attention import check_attention, reference_attention
 from llmkit.testing.block import check_block
 from llmkit.testing.combinations import check_model_combination, tiny_model_spec
 from llmkit.testing.common import build_options, init_like_model, small_context
+from llmkit.testing.dataset import check_dataset
 from llmkit.testing.ffn import check_ffn
 from llmkit.testing.generic import check_generic, check_options_model
+from llmkit.testing.logger import check_logger
 from llmkit.testing.norm import check_norm
 from llmkit.testing.optimizer import check_optimizer
 from llmkit.testing.position import check_position
@@ -70,11 +85,14 @@ from llmkit.testing.suite import check_component, conformance_params
 
 __all__ = [
     "build_options",
+    "check_adapter",
     "check_attention",
     "check_block",
     "check_component",
+    "check_dataset",
     "check_ffn",
     "check_generic",
+    "check_logger",
     "check_model_combination",
     "check_norm",
     "check_optimizer",

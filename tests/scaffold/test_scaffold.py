@@ -26,18 +26,20 @@ from tests.conftest import ROOT
 
 RUFF = shutil.which("ruff", path=str(Path(sys.executable).parent)) or shutil.which("ruff")
 BUILTIN_TEMPLATES = [
+    "adapter",
     "attention",
     "block",
+    "dataset",
     "ffn",
+    "logger",
     "norm",
     "optimizer",
     "position",
     "qk_transform",
     "schedule",
 ]
-#: Every built-in kind generates a package: ``dataset`` names no template and no check of its
-#: own, so it gets llmkit's generic template.
-GENERATED = [*BUILTIN_TEMPLATES, "dataset"]
+#: Every built-in kind has a template of its own and generates a package.
+GENERATED = BUILTIN_TEMPLATES
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -98,7 +100,9 @@ def test_names_are_derived_from_the_distribution_name():
             plugin_names(bad)
     with pytest.raises(LlmkitError, match="component name 'Bad-Name'"):
         plugin_names("llmkit-x", component="Bad-Name")
-    with pytest.raises(LlmkitError, match="unknown kind 'loss'; kinds with a plugin template: att"):
+    with pytest.raises(
+        LlmkitError, match="unknown kind 'loss'; kinds with a plugin template: adapter, att"
+    ):
         plugin_names("llmkit-x", "loss")
     with pytest.raises(LlmkitError, match=r"unknown kind 'atention' \(did you mean 'attention'"):
         plugin_names("llmkit-x", "atention")
@@ -160,8 +164,9 @@ def test_every_kind_generates_a_package_that_passes_its_own_tests(tmp_path, caps
         LLMKIT_PLUGINS="",
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
-    # four tests each, and a model test for the kinds whose template adds one
-    with_model_test = {"attention", "ffn", "norm", "position"}
+    # four tests each, and a model test for the kinds whose template adds one; the logger
+    # kind has no spec section (its spec test skips) and its template adds two
+    with_model_test = {"attention", "ffn", "norm", "position", "logger"}
     assert f"{sum(5 if k in with_model_test else 4 for k in GENERATED)} passed" in proc.stdout
 
 
@@ -214,7 +219,9 @@ def test_plugin_new_refuses_what_cannot_work(tmp_path, capsys):
     assert not (tmp_path / "llmkit-x").exists()
     assert main(["plugin", "new", "llmkit-y", "--kind", "loss", "--dir", str(tmp_path)]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: unknown kind 'loss'; kinds with a plugin template: attention,")
+    assert err.startswith(
+        "error: unknown kind 'loss'; kinds with a plugin template: adapter, attention,"
+    )
     assert main(["plugin"]) == 0 and "new" in capsys.readouterr().out
 
 
@@ -320,8 +327,8 @@ def test_a_kind_with_a_template_gets_plugin_new(widgetkit, tmp_path, capsys):
         assert capsys.readouterr().err == (
             "error: kind 'gadget' (from llmkit-widgets) has its own conformance check but no "
             "plugin template (its provider can name one with register_kinds(..., template=...)); "
-            "kinds with one: attention, block, ffn, norm, optimizer, position, qk_transform, "
-            "schedule, widget\n"
+            "kinds with one: adapter, attention, block, dataset, ffn, logger, norm, optimizer, "
+            "position, qk_transform, schedule, widget\n"
         )
         # Neither a template nor a check: llmkit's generic template, naming the kind's table.
         assert main(["plugin", "new", "llmkit-y", "--kind", "gizmo", "--dir", out_dir]) == 0

@@ -111,14 +111,16 @@ def test_requires_cuda_is_skipped_without_a_gpu():
 
 def test_builtin_kinds_declare_their_checks():
     kinds = get_registry().kinds
-    for name in ("attention", "ffn", "norm", "position", "optimizer", "schedule"):
+    for name in (
+        "attention", "ffn", "norm", "position", "optimizer", "schedule", "block",
+        "qk_transform", "dataset", "adapter", "logger",
+    ):  # fmt: skip
         assert kinds[name].load_check() is getattr(llmkit.testing, f"check_{name}")
     for kind in kinds.values():
         assert kind.check is None or callable(kind.load_check()), kind.name
 
 
 def test_a_kind_without_a_check_gets_check_generic(monkeypatch):
-    assert get_registry().kinds["dataset"].check is None
     reg = fake_registry({"kind": "widget", "name": "gizmo", "target": 42, "options": NoOptions})
     assert reg.kinds["widget"].check is None
     seen = []
