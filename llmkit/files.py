@@ -1,5 +1,5 @@
-"""Files written whole or not at all, full disks as one-line errors, and llmkit's cache
-directory.
+"""Files written whole or not at all, full disks as one-line errors, text files read as
+UTF-8 (:func:`read_utf8`), and llmkit's cache directory.
 
 A file is written under a temporary name beside its target (``.NAME.PID.tmp``: two processes
 writing the same target never share one) and renamed over it with ``os.replace``, so a
@@ -86,3 +86,13 @@ def write_text_atomic(path: Path, text: str) -> None:
 def write_json_atomic(path: Path, data: Any) -> None:
     """:func:`write_text_atomic` of ``data`` as indented JSON."""
     write_text_atomic(path, json.dumps(data, indent=2) + "\n")
+
+
+def read_utf8(path: Path) -> str:
+    """A file's text; a clear error if it is not UTF-8."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise LlmkitError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from exc
+    except OSError as exc:
+        raise LlmkitError(f"{path}: cannot read: {exc.strerror or exc}") from exc

@@ -193,17 +193,48 @@ def set_lr_factor(optimizer: torch.optim.Optimizer, factor: float) -> None:
 
 
 class WarmupOptions(ComponentOptions):
-    """Options of a schedule with a linear warmup only."""
+    """Options of a schedule with a linear warmup only.
+
+    The schedule contract's facts about a run of ``max_steps`` steps, which the core asks
+    instead of reading option names (``llmkit validate``, ``--max-steps``, a sweep's
+    ``branch_budgets``): :meth:`warmup` and :meth:`stable_end`. Override them where the
+    options say these otherwise.
+    """
 
     warmup_steps: int = Field(0, ge=0, description="Steps of linear warmup from lr/warmup_steps")
 
+    def warmup(self, max_steps: int) -> int:
+        """The steps of warmup in a run of ``max_steps`` steps: ``warmup_steps``."""
+        return self.warmup_steps
+
+    def stable_end(self, max_steps: int) -> int | None:
+        """The step at which the stable (constant, peak-lr) phase of a run of ``max_steps``
+        steps ends and the decay starts, or None: no stable phase to branch a shorter run
+        from (the default; WSD has one)."""
+        return None
+
 
 class ScheduleOptions(WarmupOptions):
-    """Options of a schedule that decays towards a floor."""
+    """Options of a schedule that decays towards a floor (with :meth:`warmup` and
+    :meth:`stable_end` as :class:`WarmupOptions`)."""
 
     min_lr_ratio: float = Field(
         0.1, ge=0.0, le=1.0, description="Final lr as a fraction of the base lr"
     )
+
+
+def schedule_warmup(options: object, max_steps: int) -> int:
+    """A schedule's warmup (its options' ``warmup``) in a run of ``max_steps`` steps; 0 for
+    options that do not declare one."""
+    warmup = getattr(options, "warmup", None)
+    return warmup(max_steps) if callable(warmup) else 0
+
+
+def schedule_stable_end(options: object, max_steps: int) -> int | None:
+    """A schedule's stable end (its options' ``stable_end``) in a run of ``max_steps``
+    steps; None for options that do not declare one (no stable phase)."""
+    stable_end = getattr(options, "stable_end", None)
+    return stable_end(max_steps) if callable(stable_end) else None
 
 
 def check_steps(warmup_steps: int, total_steps: int, schedule: str) -> None:

@@ -19,22 +19,29 @@ PLUGINS = ROOT / "plugins"
 LAYERS: list[tuple[str, ...]] = [
     # contracts: what components, kernels, the model and plugins rely on; hardware: device
     # choice (imports only errors, files); files: atomic writes, full disks; dropout: the
-    # CPU dropout of 16-bit masks
-    ("contracts", "ops", "optim", "errors", "files", "hookspecs", "hardware", "records", "dropout"),
+    # CPU dropout of 16-bit masks; messages: the chat message contract
+    (
+        "contracts",
+        "ops",
+        "optim",
+        "errors",
+        "files",
+        "hookspecs",
+        "hardware",
+        "records",
+        "dropout",
+        "messages",
+    ),
     ("registry",),  # the plugin host
     ("components", "kernels"),
     ("spec", "model"),
     ("data", "runs"),
-    (
-        "training",
-        "inference",
-        "evaluation",
-        "experiments",
-        "bench",
-        "testing",
-        "scaffold",
-        "interop",
-    ),
+    # The wings above, in order: what runs a model and what moves it in and out (generation,
+    # HF interop) and the plugin authors' tools; then training, which samples as it goes;
+    # then what measures trained models (evaluation, benchmarks, experiments); the CLI last.
+    ("inference", "interop", "testing", "scaffold"),
+    ("training",),
+    ("evaluation", "bench", "experiments"),
     ("cli",),
 ]
 LAYER = {name: i for i, names in enumerate(LAYERS) for name in names}
@@ -173,16 +180,34 @@ def _package_violations() -> Iterator[tuple[str, str, str]]:
             for target in _targets(module, names):
                 if target is None:
                     continue
-                there = _top(target)
-                if there not in LAYER:
-                    why = "the llmkit façade; import the module that defines the name"
-                elif here in ONLY and there not in ONLY[here]:
-                    why = f"llmkit.{here} may import only {sorted(ONLY[here])}"
-                elif LAYER[there] > LAYER[here]:
-                    why = f"layer {LAYERS[LAYER[here]]} imports layer {LAYERS[LAYER[there]]}"
-                else:
-                    continue
-                yield rel, target, f"{rel}:{line} imports {target}: {why}"
+                why = _why(here, _top(target))
+                if why is not None:
+                    yield rel, target, f"{rel}:{line} imports {target}: {why}"
+
+
+def _why(here: str, there: str) -> str | None:
+    """Why a module of ``llmkit.<here>`` may not import ``llmkit.<there>``; None if it may."""
+    if there not in LAYER:
+        return "the llmkit façade; import the module that defines the name"
+    if here in ONLY and there not in ONLY[here]:
+        return f"llmkit.{here} may import only {sorted(ONLY[here])}"
+    if there == "components" and here != "components":
+        return "only components import components: the core reaches them by registry"
+    if LAYER[there] > LAYER[here]:
+        return f"layer {LAYERS[LAYER[here]]} imports layer {LAYERS[LAYER[there]]}"
+    return None
+
+
+def test_the_rules_refuse_what_they_name():
+    """The core never imports a component (even from a layer above), kernels only what
+    ONLY allows, and the wings of the top layers go one way: inference < training < cli."""
+    assert _why("data", "components") is not None
+    assert _why("cli", "components") is not None
+    assert _why("components", "components") is None and _why("components", "contracts") is None
+    assert _why("kernels", "model") is not None
+    assert _why("training", "inference") is None and _why("inference", "training") is not None
+    assert _why("evaluation", "training") is None and _why("training", "evaluation") is not None
+    assert _why("cli", "evaluation") is None and _why("experiments", "cli") is not None
 
 
 def _plugin_violations() -> Iterator[tuple[str, str, str]]:

@@ -102,7 +102,7 @@ def _tokens(run: Any, data: str | None) -> tuple[Any, int | None, int | None, st
         return tokens, val.n_bytes_text, None, "validation split"
     from pathlib import Path
 
-    from llmkit.components.dataset import read_utf8
+    from llmkit.files import read_utf8
 
     path = Path(data)
     if path.is_dir():

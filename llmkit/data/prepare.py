@@ -301,8 +301,8 @@ def _attach_template(
 def _template_has_unknown_text(tokenizer: Tokenizer, template: str) -> bool:
     """Whether the template's own text (a turn of each role, empty) holds characters a
     char tokenizer does not know."""
-    from llmkit.components.dataset.chat import ROLES
     from llmkit.data.chat import render
+    from llmkit.messages import ROLES
 
     unk = tokenizer.token_to_id(UNK)
     if unk is None:

@@ -181,8 +181,8 @@ class Tokenizer:
         """``messages`` (``{"role", "content"}`` dicts) rendered with the chat template,
         followed by the assistant's generation prompt: the ids (``tokenize``) or the
         text. A one-line error when the tokenizer has no template."""
-        from llmkit.components.dataset.chat import check_messages
         from llmkit.data.chat import render
+        from llmkit.messages import check_messages
 
         if not self.chat_template:
             raise LlmkitError(

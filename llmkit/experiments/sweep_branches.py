@@ -1,14 +1,17 @@
 """``branch_budgets``: the shorter ``train.max_steps`` budgets of a WSD sweep as cooldown
-branches of its longest run (Hägele et al. 2024; docs/experiments.md)."""
+branches of its longest run (Hägele et al. 2024; docs/experiments.md).
+
+The schedule says where its stable phase ends and how long it warms up through its options
+(the schedule contract's ``stable_end`` and ``warmup``, :mod:`llmkit.optim`)."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from llmkit.components.schedule.wsd import stable_end
 from llmkit.errors import SpecError
 from llmkit.experiments.sweep_axes import Trial, toml_literal
+from llmkit.optim import schedule_stable_end, schedule_warmup
 
 if TYPE_CHECKING:
     from llmkit.experiments.sweep import SweepPlan
@@ -18,11 +21,11 @@ MAX_STEPS = "train.max_steps"
 
 def plan_branches(plan: SweepPlan, specs: dict[str, Any]) -> dict[str, tuple[str, int]]:
     """``branch_budgets``: group the trials whose overrides differ only in
-    ``train.max_steps``; in each group of several budgets (a WSD schedule), the longest
-    trial gets ``train.checkpoint_steps`` at every shorter budget's stable end, and each
-    shorter trial is to be branched from it there. Updates ``plan.trials`` and ``specs``
-    for the longest trials; returns ``{shorter trial id: (longest trial id, step)}``.
-    :class:`SpecError` listing every group that cannot be branched."""
+    ``train.max_steps``; in each group of several budgets (a schedule with a stable phase,
+    as WSD), the longest trial gets ``train.checkpoint_steps`` at every shorter budget's
+    stable end, and each shorter trial is to be branched from it there. Updates
+    ``plan.trials`` and ``specs`` for the longest trials; returns ``{shorter trial id:
+    (longest trial id, step)}``. :class:`SpecError` listing every group that cannot be branched."""
     from llmkit.spec import load_spec
 
     groups: dict[tuple[str, ...], list[Trial]] = {}
@@ -39,16 +42,19 @@ def plan_branches(plan: SweepPlan, specs: dict[str, Any]) -> dict[str, tuple[str
         if not shorter:
             continue
         sched = specs[longest.id].schedule
-        if sched.name != "wsd":
+        own_end = schedule_stable_end(sched.options, steps[longest.id])
+        if own_end is None:
             problems.append(
-                f"{longest.id}: branch_budgets needs schedule 'wsd', not {sched.name!r} "
-                f"(budgets {sorted(set(steps.values()))})"
+                f"{longest.id}: branch_budgets needs a schedule with a stable phase, "
+                f"not {sched.name!r} (budgets {sorted(set(steps.values()))})"
             )
             continue
-        fraction, warmup = sched.options.decay_fraction, sched.options.warmup_steps
-        own_end = stable_end(steps[longest.id], fraction)
+        warmup = schedule_warmup(sched.options, steps[longest.id])
         for t in shorter:
-            at = stable_end(steps[t.id], fraction)
+            at = schedule_stable_end(sched.options, steps[t.id])
+            if at is None:
+                problems.append(f"{t.id}: its schedule has no stable phase to branch from")
+                continue
             if at <= warmup or at > own_end:
                 problems.append(
                     f"{t.id}: its decay would start at step {at}, "

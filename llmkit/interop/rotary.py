@@ -1,13 +1,14 @@
 """Rotary settings between Hugging Face configs (``rope_parameters``, or the older
 ``rope_theta`` + ``rope_scaling``, with a partial-rotary fraction) and llmkit's ``rope``
-component options (the mapping itself: :mod:`llmkit.components.position.rope_scaling`)."""
+component options (the mapping itself: :mod:`llmkit.components.position.rope_scaling`).
+The options are validated by the registered ``position.rope`` component's options model."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from llmkit.components.position.rope import RotaryOptions
 from llmkit.interop.family import Refused, rope_parameters, same_in_every_layer
+from llmkit.registry import get_registry
 from llmkit.spec import ResolvedSpec
 
 
@@ -133,7 +134,7 @@ def rope_parameters_to_hf(options: dict[str, Any]) -> dict[str, Any]:
     opts = dict(options)
     if opts.pop("name", "rope") != "rope":
         raise ValueError(f"not rope options: name {options['name']!r}")
-    o = RotaryOptions.model_validate(opts)
+    o = get_registry().get("position", "rope").parse_options(opts)
     out: dict[str, Any] = {"rope_type": o.scaling, "rope_theta": o.theta}
     if o.rotary_fraction != 1.0:
         out["partial_rotary_factor"] = o.rotary_fraction

@@ -8,6 +8,10 @@ run) and so do ``train.checkpoint_steps``; a byte-level BPE vocabulary the run t
 256 bytes + the special tokens; ``model.adapter`` comes with ``train.init_from``.
 
 :func:`fit_warmup` scales a schedule's warmup down for a shorter ``--max-steps`` run.
+
+A schedule's warmup is what its options say (the schedule contract's ``warmup``,
+:func:`llmkit.optim.schedule_warmup`), not an option read by name. ``llmkit.optim`` imports
+torch, so it is imported where the schedule's options are at hand (their module imported it).
 """
 
 from __future__ import annotations
@@ -65,8 +69,10 @@ def _schedule_error(schedule: Any, options: Any, total_steps: int) -> str | None
 
 
 def _schedule_problems(section: str, schedule: Any, max_steps: int) -> list[str]:
-    warmup = getattr(schedule.options, "warmup_steps", None)
-    if isinstance(warmup, int) and warmup > max_steps:
+    from llmkit.optim import schedule_warmup
+
+    warmup = schedule_warmup(schedule.options, max_steps)
+    if warmup > max_steps:
         return [f"{section}.warmup_steps: {warmup} exceeds train.max_steps ({max_steps})"]
     error = _schedule_error(schedule.record, schedule.options, max_steps)
     return [f"{section}: {error} (train.max_steps = {max_steps})"] if error else []
@@ -163,10 +169,14 @@ def fit_warmup(
         options = model.model_validate({k: v for k, v in table.items() if k != "name"})
     except (RegistryError, ValidationError):
         return None
-    warmup = getattr(options, "warmup_steps", None)
+    from llmkit.optim import schedule_warmup
+
     train = data.get("train") if isinstance(data.get("train"), dict) else {}
     own = train.get("max_steps", TrainSpec.model_fields["max_steps"].default)
-    if not isinstance(warmup, int) or warmup <= 0 or not isinstance(own, int) or own < 1:
+    if not isinstance(own, int) or own < 1:
+        return None
+    warmup = schedule_warmup(options, own)
+    if warmup <= 0:
         return None
 
     def fits(w: int) -> bool:

@@ -575,7 +575,9 @@ def test_branch_budgets_refuse_a_schedule_other_than_wsd_or_a_decay_in_the_warmu
     cosine = sweep_file(
         tmp_path, 'base = "spec.yaml"\nbranch_budgets = true\n[axes]\n"train.max_steps" = [6, 12]\n'
     )
-    with pytest.raises(SpecError, match="branch_budgets needs schedule 'wsd', not 'cosine'"):
+    with pytest.raises(
+        SpecError, match="branch_budgets needs a schedule with a stable phase, not 'cosine'"
+    ):
         run_sweep(cosine, out=out, log=lambda _: None)
     early = sweep_file(
         tmp_path,

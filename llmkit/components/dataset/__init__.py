@@ -137,16 +137,6 @@ def split_by_hash(keys: Sequence[str], seed: int, val_fraction: float) -> list[b
     return is_val
 
 
-def read_utf8(path: Path) -> str:
-    """A file's text; a clear error if it is not UTF-8."""
-    try:
-        return path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as exc:
-        raise LlmkitError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from exc
-    except OSError as exc:
-        raise LlmkitError(f"{path}: cannot read: {exc.strerror or exc}") from exc
-
-
 def human_bytes(n: int) -> str:
     for unit in ("B", "KB", "MB", "GB"):
         if n < 1000 or unit == "GB":

@@ -12,7 +12,6 @@ render, mask and tokenize them.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -23,16 +22,15 @@ from llmkit.components.dataset import (
     FileSource,
     FileSourceOptions,
     dataset_dict,
-    read_utf8,
     seeded_split,
     text_dataset,
 )
 from llmkit.errors import LlmkitError
+from llmkit.files import read_utf8
+from llmkit.messages import check_messages, json_type
 
 if TYPE_CHECKING:
     import datasets
-
-ROLES = ("system", "user", "assistant")
 
 
 @dataclass(frozen=True)
@@ -228,7 +226,7 @@ def to_messages(record: Any, where: str) -> list[dict[str, str]]:
     naming ``where`` and the field for a record in neither form, an unknown role, a
     non-string content, or a missing or empty assistant turn."""
     if not isinstance(record, dict):
-        raise LlmkitError(f"{where}: a record must be a JSON object, got {_json_type(record)}")
+        raise LlmkitError(f"{where}: a record must be a JSON object, got {json_type(record)}")
     chat, instruction = "messages" in record, "prompt" in record or "response" in record
     if chat and instruction:
         raise LlmkitError(f"{where}: a record has either 'messages' or 'prompt'/'response'")
@@ -257,42 +255,8 @@ def _instruction_messages(record: dict[str, Any], where: str) -> list[dict[str, 
         if key == "system" and value is None:
             continue
         if not isinstance(value, str):
-            raise LlmkitError(f"{where}: {key}: expected a string, got {_json_type(value)}")
+            raise LlmkitError(f"{where}: {key}: expected a string, got {json_type(value)}")
         if role == "assistant" and not value.strip():
             raise LlmkitError(f"{where}: response: empty assistant turn")
         messages.append({"role": role, "content": value})
     return messages
-
-
-def check_messages(
-    items: Any, what: str = "messages", *, training: bool = False
-) -> list[dict[str, str]]:
-    """``items`` as a list of ``{"role", "content"}`` dicts; a one-line error naming the
-    first bad entry (``what`` says where). Training data (``training``) may hold no empty
-    list and no empty assistant turn."""
-    if not isinstance(items, list | tuple) or (training and not items):
-        kind = "a non-empty list" if training else "a list"
-        raise LlmkitError(f"{what}: expected {kind} of messages, got {_json_type(items)}")
-    messages = []
-    for i, m in enumerate(items):
-        at = f"{what}[{i}]"
-        if not isinstance(m, Mapping):
-            raise LlmkitError(f"{at}: expected an object with role and content")
-        role, content = m.get("role"), m.get("content")
-        if role not in ROLES:
-            raise LlmkitError(f"{at}.role: unknown role {role!r} ({', '.join(ROLES)})")
-        if not isinstance(content, str):
-            raise LlmkitError(f"{at}.content: expected a string, got {_json_type(content)}")
-        if training and role == "assistant" and not content.strip():
-            raise LlmkitError(f"{at}.content: empty assistant turn")
-        messages.append({"role": role, "content": content})
-    return messages
-
-
-def _json_type(value: Any) -> str:
-    names = {dict: "an object", list: "a list", str: "a string", bool: "a boolean"}
-    if value is None:
-        return "null"
-    if isinstance(value, int | float) and not isinstance(value, bool):
-        return "a number"
-    return names.get(type(value), type(value).__name__)

@@ -11,11 +11,11 @@ from llmkit.components.dataset import (
     FileSourceOptions,
     dataset_dict,
     human_bytes,
-    read_utf8,
     split_by_hash,
     text_dataset,
 )
 from llmkit.errors import LlmkitError
+from llmkit.files import read_utf8
 
 if TYPE_CHECKING:
     import datasets

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from llmkit.optim import ScheduleOptions, check_steps, decay_curve, linear_warmup
+from llmkit.components.schedule import warmup_then_decay
+from llmkit.optim import ScheduleOptions
 
 
 class Options(ScheduleOptions):
@@ -14,16 +15,4 @@ class Options(ScheduleOptions):
 def build(options: Options, *, total_steps: int, base_lr: float = 1.0) -> Callable[[int], float]:
     """Return ``step -> base_lr · factor``: warmup, cosine from 1 at ``warmup_steps`` to
     ``min_lr_ratio`` at ``total_steps``, then ``min_lr_ratio`` (nanoGPT's ``get_lr``)."""
-    check_steps(options.warmup_steps, total_steps, "cosine")
-    warmup, floor = options.warmup_steps, options.min_lr_ratio
-    span = total_steps - warmup
-
-    def factor(step: int) -> float:
-        if step < warmup:
-            return base_lr * linear_warmup(step, warmup)
-        if step >= total_steps:
-            return base_lr * floor
-        progress = (step - warmup) / span
-        return base_lr * (floor + (1.0 - floor) * decay_curve(progress, "cosine"))
-
-    return factor
+    return warmup_then_decay(options, total_steps, base_lr, "cosine", "cosine")

@@ -20,6 +20,10 @@ class Options(ScheduleOptions):
         "linear", description="Decay curve: linear, cosine, or 1−√(progress) (sqrt)"
     )
 
+    def stable_end(self, max_steps: int) -> int:
+        """Where the decay of a run of ``max_steps`` steps starts (:func:`stable_end`)."""
+        return stable_end(max_steps, self.decay_fraction)
+
 
 def stable_end(total_steps: int, decay_fraction: float) -> int:
     """The last step of the stable phase: the decay takes the last
