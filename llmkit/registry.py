@@ -141,7 +141,7 @@ class Registry:
             try:
                 plugin = ep.load()
             except Exception as exc:
-                why = f"{type(exc).__name__}: {first_line(exc)}"
+                why = first_line(exc, typed=True)
                 self._fail(PluginInfo(ep.name, dist, version), why)
                 continue
             info = self._register(plugin, ep.name, dist, version)
@@ -187,7 +187,7 @@ class Registry:
         except Exception as exc:
             if self.pm.is_registered(plugin):
                 self.pm.unregister(plugin)
-            self._fail(info, f"{type(exc).__name__}: {first_line(exc)}")
+            self._fail(info, first_line(exc, typed=True))
             return info
         self.plugins[name] = info
         return info
@@ -211,7 +211,7 @@ class Registry:
             try:
                 impl.function(register=bind(info))
             except Exception as exc:
-                self._fail(info, f"{hook_name}: {type(exc).__name__}: {first_line(exc)}")
+                self._fail(info, f"{hook_name}: {first_line(exc, typed=True)}")
 
     def _fail(self, info: PluginInfo, error: str) -> None:
         info.error = error
@@ -398,11 +398,11 @@ class Registry:
             owner = self.lost.get(kind or "")
         if owner is not None and owner.error:
             return f"; plugin {owner.name!r} ({owner.distribution}) provides it but failed " + (
-                f"to load: {_first_line(owner.error)}"
+                f"to load: {first_line(owner.error, limit=300)}"
             )
         return "; " + "; ".join(
             f"plugin {p.name!r} ({p.distribution}) failed to load and may provide it: "
-            f"{_first_line(p.error or '')}"
+            f"{first_line(p.error or '', limit=300)}"
             for p in failed
         )
 
@@ -431,7 +431,7 @@ class Registry:
                 rec.options_model()
             except Exception as exc:
                 cause = exc.__cause__ if isinstance(exc, RegistryError) and exc.__cause__ else exc
-                out.append((rec, _first_line(f"{type(cause).__name__}: {cause}")))
+                out.append((rec, first_line(cause, typed=True, limit=300)))
         return out
 
     def without(self, keys: Iterable[str]) -> Registry:
@@ -455,17 +455,11 @@ class Registry:
             self._call(info, hook_name, bind)
 
 
-def _first_line(text: str, limit: int = 300) -> str:
-    """The first line of ``text``, at most ``limit`` characters (messages stay one line)."""
-    line = text.strip().splitlines()[0] if text.strip() else ""
-    return line if len(line) <= limit else line[: limit - 1] + "…"
-
-
 def _doc_line(target: Any) -> str:
     if isinstance(target, str):
         return ""
     doc = (getattr(target, "__doc__", None) or "").strip()
-    return doc.splitlines()[0] if doc else ""
+    return first_line(doc)
 
 
 def _suggest(name: str, candidates: Iterable[str]) -> str:

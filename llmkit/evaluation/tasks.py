@@ -27,7 +27,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from llmkit.errors import LlmkitError
+from llmkit.errors import LlmkitError, validation_problems
 
 Format = Literal["multiple_choice", "partial", "completion"]
 
@@ -324,9 +324,7 @@ def task_spec(data: dict[str, Any], where: str) -> TaskSpec:
     try:
         spec = TaskSpec.model_validate(data)
     except ValidationError as exc:
-        err = exc.errors()[0]
-        loc = ".".join(str(p) for p in err["loc"]) or "task"
-        raise LlmkitError(f"{where}: {loc}: {err['msg']}") from None
+        raise LlmkitError(f"{where}: {validation_problems(exc, top='task')[0]}") from None
     spec.check()
     return spec
 

@@ -37,7 +37,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from llmkit.errors import LlmkitError, SpecError, first_line
+from llmkit.errors import LlmkitError, SpecError, first_line, validation_problems
 
 #: Seconds between a running trial's heartbeats; a trial silent for longer is stale.
 HEARTBEAT_S = 20
@@ -121,10 +121,7 @@ def read_search(path: str | Path) -> tuple[SearchSpec, Path]:
     try:
         return SearchSpec.model_validate(data), p.parent
     except ValidationError as exc:
-        problems = [
-            f"{'.'.join(str(x) for x in e['loc']) or 'search'}: {e['msg']}" for e in exc.errors()
-        ]
-        raise SpecError(problems, str(p)) from None
+        raise SpecError(validation_problems(exc, top="search"), str(p)) from None
 
 
 def default_out(name: str) -> Path:

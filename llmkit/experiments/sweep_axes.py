@@ -8,7 +8,6 @@ repeated once per seed (seeds vary fastest). See docs/experiments.md, "Sweeps".
 
 from __future__ import annotations
 
-import difflib
 import itertools
 import json
 import math
@@ -31,7 +30,7 @@ from pydantic import (
     model_validator,
 )
 
-from llmkit.errors import LlmkitError, SpecError
+from llmkit.errors import LlmkitError, SpecError, validation_problems
 
 #: A spec path an axis sets: dotted names (list elements by index), as ``--set`` takes them.
 PATH_PATTERN = re.compile(r"[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*")
@@ -387,7 +386,10 @@ def read_sweep(path: str | Path) -> SweepFile:
     try:
         return SweepFile.model_validate(data)
     except ValidationError as exc:
-        raise SpecError(validation_problems(exc), str(p)) from None
+        problems = validation_problems(
+            exc, top=None, quote_dotted=True, shown=_shown, allowed=_allowed
+        )
+        raise SpecError(problems, str(p)) from None
 
 
 #: The tables an axis may be, by the tag pydantic puts in an error's location.
@@ -405,34 +407,25 @@ def _keys(model: type[BaseModel]) -> list[str]:
     return [f.alias or name for name, f in model.model_fields.items()]
 
 
-def validation_problems(exc: ValidationError) -> list[str]:
-    """One line per problem of a sweep file: ``axes["optimizer.lr"].num: ...``."""
-    problems = []
-    for err in exc.errors():
-        loc, table = list(err["loc"]), SweepFile
-        parts: list[str] = []
-        for i, part in enumerate(loc):
-            axis_key = i >= 2 and (loc[i - 2] == "axes" or (i >= 3 and loc[i - 3] == "zip"))
-            if axis_key and isinstance(part, str) and part in _TAGGED:
-                table = _TAGGED[part] or table  # the tag pydantic adds: not in the file
-                continue
-            if part == "random" and i == 0:
-                table = RandomSearch
-            if isinstance(part, int):
-                parts.append(f"[{part}]")
-            elif "." in part:
-                parts.append(f"[{json.dumps(part)}]")
-            else:
-                parts.append(f".{part}" if parts else part)
-        where = "".join(parts)
-        msg = err["msg"].removeprefix("Value error, ")
-        if err["type"] == "extra_forbidden":
-            allowed = _keys(table)
-            close = difflib.get_close_matches(str(loc[-1]), allowed, n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else ""
-            msg = f"unknown key{hint} (allowed: {', '.join(allowed)})"
-        problems.append(f"{where}: {msg}" if where else msg)
-    return problems
+def _is_tag(loc: tuple[Any, ...], i: int) -> bool:
+    """Whether ``loc[i]`` is the tag pydantic adds to an axis table's errors (not in the file)."""
+    axis_key = i >= 2 and (loc[i - 2] == "axes" or (i >= 3 and loc[i - 3] == "zip"))
+    return axis_key and isinstance(loc[i], str) and loc[i] in _TAGGED
+
+
+def _shown(loc: tuple[Any, ...]) -> tuple[Any, ...]:
+    return tuple(part for i, part in enumerate(loc) if not _is_tag(loc, i))
+
+
+def _allowed(loc: tuple[Any, ...]) -> list[str]:
+    """The keys of the table an unknown key at ``loc`` sits in."""
+    table: type[BaseModel] = SweepFile
+    for i, part in enumerate(loc):
+        if _is_tag(loc, i):
+            table = _TAGGED[part] or table
+        elif part == "random" and i == 0:
+            table = RandomSearch
+    return _keys(table)
 
 
 # -- trials -------------------------------------------------------------------------------------

@@ -35,7 +35,7 @@ from safetensors import safe_open
 from safetensors.torch import load_model, save_file, save_model
 from torch import nn
 
-from llmkit.errors import LlmkitError, no_space_message
+from llmkit.errors import LlmkitError, first_line, no_space_message
 from llmkit.files import NoSpaceLeft, replacing, write_json_atomic, writing
 
 WEIGHTS = "model.safetensors"
@@ -130,11 +130,6 @@ class DamagedCheckpoint(LlmkitError):
     """A checkpoint file that cannot be read: truncated, overwritten or not its format."""
 
 
-def _why(exc: BaseException) -> str:
-    lines = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
-
-
 def _unreadable(exc: Exception) -> bool:
     """True for a file whose bytes are not its format; False for a failing disk, memory or
     file system (OSError, MemoryError), which must not make a run drop a good checkpoint."""
@@ -171,7 +166,9 @@ def load_weights(model: nn.Module, path: Path) -> None:
     except Exception as exc:
         if not _unreadable(exc):
             raise
-        raise DamagedCheckpoint(f"{path}: unreadable weights ({_why(exc)})") from exc
+        raise DamagedCheckpoint(
+            f"{path}: unreadable weights ({first_line(exc, typed=True)})"
+        ) from exc
     if missing or unexpected:
         raise LlmkitError(
             f"{path}: weights do not match the model (missing {sorted(missing)[:3]}, "
@@ -200,7 +197,9 @@ def _header(path: Path, read: Callable[[Any], Any]) -> Any:
     except Exception as exc:
         if not _unreadable(exc):
             raise
-        raise DamagedCheckpoint(f"{path}: unreadable weights ({_why(exc)})") from exc
+        raise DamagedCheckpoint(
+            f"{path}: unreadable weights ({first_line(exc, typed=True)})"
+        ) from exc
 
 
 def weight_shapes(path: Path) -> dict[str, tuple[int, ...]]:
@@ -396,7 +395,7 @@ def read_meta(ckpt_dir: Path) -> dict[str, Any]:
     except FileNotFoundError as exc:
         raise DamagedCheckpoint(f"checkpoint {ckpt_dir} has no {META}") from exc
     except (ValueError, UnicodeDecodeError) as exc:
-        raise DamagedCheckpoint(f"{path}: unreadable ({_why(exc)})") from exc
+        raise DamagedCheckpoint(f"{path}: unreadable ({first_line(exc, typed=True)})") from exc
     if not isinstance(meta, dict):
         raise DamagedCheckpoint(f"{path}: not a JSON object")
     return meta
@@ -444,4 +443,6 @@ def load_tensors(path: Path, what: str) -> Any:
     except Exception as exc:
         if not _unreadable(exc):
             raise
-        raise DamagedCheckpoint(f"{path}: unreadable {what} ({_why(exc)})") from exc
+        raise DamagedCheckpoint(
+            f"{path}: unreadable {what} ({first_line(exc, typed=True)})"
+        ) from exc

@@ -13,7 +13,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from llmkit.errors import RegistryError, SpecError
+from llmkit.errors import RegistryError, SpecError, validation_problems
 from llmkit.spec.files import apply_override, load_raw
 from llmkit.spec.limits import recipe_problems, size_problems
 from llmkit.spec.models import (
@@ -24,7 +24,7 @@ from llmkit.spec.models import (
     Spec,
     is_layer_selector,
 )
-from llmkit.spec.problems import _pydantic_problems
+from llmkit.spec.problems import fields_at
 from llmkit.spec.resolved import LayerPlan, Resolved, ResolvedSpec
 from llmkit.spec.sections import (
     cached_spec_model,
@@ -111,7 +111,12 @@ class _Resolver:
             opts = model.model_validate(options)
         except ValidationError as exc:
             what = f"option for {kind} {record.name!r}"
-            self.problems += _pydantic_problems(exc, tuple(path.split(".")), model, what)
+            self.problems += validation_problems(
+                exc,
+                prefix=path.split("."),
+                allowed=lambda loc: fields_at(model, loc[:-1]),
+                what=what,
+            )
             return None
         except RegistryError as exc:  # the component failed to import
             self.problems.append(f"{path}: {exc}")
@@ -184,7 +189,7 @@ def resolve(data: dict[str, Any], source: str | None = None, registry: Any = Non
     try:
         spec = spec_cls.model_validate(data)
     except ValidationError as exc:
-        found = _pydantic_problems(exc, (), spec_cls)
+        found = validation_problems(exc, allowed=lambda loc: fields_at(spec_cls, loc[:-1]))
         hint = getattr(registry, "failure_hint", None)  # a table a failed plugin's kind adds
         if hint is not None:
             found = [f"{p}{hint()}" if ": unknown key" in p else p for p in found]

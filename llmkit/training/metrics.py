@@ -7,7 +7,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from llmkit.errors import LlmkitError
+from llmkit.errors import LlmkitError, first_line
 from llmkit.files import replacing, writing
 
 #: During training the loss curve is redrawn at a checkpoint only if this many seconds passed
@@ -115,9 +115,8 @@ class RunLog:
             except LlmkitError:
                 raise
             except Exception as exc:  # a tracker's own error: one line naming the logger
-                first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
                 raise LlmkitError(
-                    f"logger {res.name} could not start: {type(exc).__name__}: {first}"
+                    f"logger {res.name} could not start: {first_line(exc, typed=True)}"
                 ) from exc
 
     def close(self) -> None:

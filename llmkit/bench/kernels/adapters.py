@@ -25,7 +25,6 @@ from llmkit.bench.kernels.entries import (
     Prepared,
     build,
     check_capabilities,
-    one_line,
     pop_side_outputs,
     trial,
     wrap,
@@ -40,7 +39,7 @@ from llmkit.bench.kernels.flops import (
     norm_work,
 )
 from llmkit.contracts import BuildContext
-from llmkit.errors import RegistryError
+from llmkit.errors import RegistryError, first_line
 
 #: Sequence lengths (attention) and token counts (ffn, norm): the default sweeps.
 SEQ_LENS = {"cpu": (256, 512, 1024, 2048, 4096), "cuda": (512, 1024, 2048, 4096, 8192)}
@@ -383,8 +382,9 @@ def adapter_for(kind: str, registry: Any = None) -> KernelBench:
     try:
         adapter = record.load_bench()
     except Exception as exc:
+        why = first_line(exc, typed=True)
         raise NotBenchmarkable(
-            f"kind {kind!r}: bench adapter {record.bench!r} failed to load: {one_line(exc)}"
+            f"kind {kind!r}: bench adapter {record.bench!r} failed to load: {why}"
         ) from exc
     if not isinstance(adapter, KernelBench):
         raise NotBenchmarkable(

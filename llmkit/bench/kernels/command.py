@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from llmkit.bench.kernels.adapters import HEAD_DIMS, QUICK, NotBenchmarkable, adapter_for
-from llmkit.bench.kernels.entries import entries, one_line
+from llmkit.bench.kernels.entries import entries
 from llmkit.bench.kernels.flops import MODES
 from llmkit.bench.kernels.report import (
     format_time,
@@ -23,16 +23,16 @@ from llmkit.bench.kernels.report import (
 )
 from llmkit.bench.kernels.runner import add_ratios, bench_kernels
 from llmkit.bench.kernels.timing import default_dtype, device_name, dtype_name, parse_dtype
-from llmkit.errors import LlmkitError
+from llmkit.errors import LlmkitError, first_line, validation_problems
 
 
 def _option_problems(exc: BaseException) -> str:
-    """A pydantic error as ``key: message`` pairs on one line; others as :func:`one_line`."""
+    """A pydantic error as ``key: message`` pairs on one line; others as ``Type: message``."""
     from pydantic import ValidationError
 
     if isinstance(exc, ValidationError):
-        return "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
-    return one_line(exc)
+        return validation_problems(exc, sep="; ")
+    return first_line(exc, typed=True)
 
 
 def _ints(text: str | None, flag: str) -> tuple[int, ...] | None:

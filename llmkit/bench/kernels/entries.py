@@ -12,6 +12,7 @@ import torch
 
 from llmkit.bench.kernels.timing import free, sync
 from llmkit.contracts import BuildContext
+from llmkit.errors import first_line
 
 
 class Unsupported(Exception):
@@ -74,15 +75,9 @@ def build(entry: Entry, ctx: BuildContext, device: str, dtype: torch.dtype) -> t
         opts = entry.record.parse_options(entry.options)
     except Exception as exc:
         what = "default options" if not entry.options else f"options {entry.options!r}"
-        raise Unsupported(f"{what} do not validate: {one_line(exc)}") from exc
+        raise Unsupported(f"{what} do not validate: {first_line(exc, typed=True)}") from exc
     module = entry.record.load()(opts, ctx)
     return module.to(device=device, dtype=dtype)
-
-
-def one_line(exc: BaseException) -> str:
-    """``Type: first line of the message``."""
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")
 
 
 def pop_side_outputs(module: torch.nn.Module) -> None:
@@ -114,4 +109,4 @@ def trial(step: Callable[[], Any], device: str) -> None:
         free(device)
         raise Unsupported("out of memory") from exc
     except (NotImplementedError, ValueError) as exc:
-        raise Unsupported(one_line(exc)) from exc
+        raise Unsupported(first_line(exc, typed=True)) from exc

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from llmkit.bench.kernels.adapters import D_MODEL, HEAD_DIMS, Case, KernelBench, adapter_for
-from llmkit.bench.kernels.entries import Entry, Unsupported, one_line
+from llmkit.bench.kernels.entries import Entry, Unsupported
 from llmkit.bench.kernels.flops import MODES, mode_factor
 from llmkit.bench.kernels.timing import (
     CPU_MEMORY,
@@ -25,6 +25,7 @@ from llmkit.bench.kernels.timing import (
     peak_memory,
     time_step,
 )
+from llmkit.errors import first_line
 
 #: Record fields that tell cases apart, besides the adapter's columns (add_ratios).
 CASE_FIELDS = ("kind", "device", "dtype", "mode", "batch", "heads", "seq_len", "head_dim")
@@ -147,7 +148,7 @@ def _bench_one(
     except torch.OutOfMemoryError:
         rec.update(status="skipped", reason="out of memory")
     except Exception as exc:
-        rec.update(status="error", reason=one_line(exc))
+        rec.update(status="error", reason=first_line(exc, typed=True))
     finally:
         stack.close()
         del prepared
