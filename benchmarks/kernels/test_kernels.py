@@ -34,7 +34,7 @@ import torch
 
 from benchmarks.conftest import FULL
 from llmkit.bench import kernels as bk
-from llmkit.kernels import window_native
+from llmkit.kernels import native_build, window_native
 from llmkit.registry import get_registry
 
 DEVICE = os.environ.get("LLMKIT_BENCH_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -130,15 +130,15 @@ def _without_native(step: Any) -> Any:
     """``step`` with the compiled window kernel turned off for the call."""
 
     def run() -> Any:
-        before = os.environ.get(window_native.ENV)
-        os.environ[window_native.ENV] = "0"
+        before = os.environ.get(native_build.ENV)
+        os.environ[native_build.ENV] = "0"
         try:
             return step()
         finally:
             if before is None:
-                del os.environ[window_native.ENV]
+                del os.environ[native_build.ENV]
             else:
-                os.environ[window_native.ENV] = before
+                os.environ[native_build.ENV] = before
 
     return run
 

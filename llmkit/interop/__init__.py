@@ -5,6 +5,7 @@
   :func:`to_transformers`);
 - :mod:`~llmkit.interop.runs`: between directories (:func:`import_hf`, :func:`export_hf`);
 - :mod:`~llmkit.interop.family`: what a family provides; :mod:`~llmkit.interop.families`;
+- :mod:`~llmkit.interop.family_common`: the helpers families share (never one another's);
 - :mod:`~llmkit.interop.mapping`: tensor rules; :mod:`~llmkit.interop.hf_files`: files;
 - :mod:`~llmkit.interop.hf_tokenizer`: tokenizer files both ways.
 """

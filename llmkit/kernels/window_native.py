@@ -8,17 +8,15 @@ cut a row's window in one place only, so the work spent outside the windows is (
 the useful work, where the chunked PyTorch path (:mod:`llmkit.kernels.block_local`) spends
 C/W = 1/8 at W = 256 and runs each of its seven products as a separate batched matmul.
 
-**Build.** On first use the source is compiled by the C compiler (``$CC``, else ``cc``,
-``gcc`` or ``clang``) with ``-O3 -march=native`` into the cache (``$LLMKIT_CACHE_DIR/kernels``,
-see :func:`llmkit.files.store_root`), under a name that hashes the source, the compiler,
-its flags and the CPU's flags, so a cache shared between machines never loads a library
-built for another CPU. It is built with OpenMP where the compiler has it: one call then
-splits the (batch, kv head) pairs over torch's own intra-op threads (the library binds to
-the OpenMP runtime torch loaded), so no thread of torch's spins on a core the kernel needs.
-Without OpenMP the pairs run on :mod:`llmkit.kernels.worker_threads` (a call releases the
-GIL). Where no compiler is found or the build fails, :func:`library` returns None
-(:func:`unavailable_reason` says why) and the PyTorch path runs; ``LLMKIT_NATIVE_KERNELS=0``
-turns the kernel off.
+**Build.** On first use :data:`KERNEL` (a :class:`llmkit.kernels.native_build.NativeLibrary`)
+compiles the source with ``-O3 -march=native`` into the cache, keyed by the source, the
+compiler, its flags and the CPU's flags. It is built with OpenMP where the compiler has it:
+one call then splits the (batch, kv head) pairs over torch's own intra-op threads (the
+library binds to the OpenMP runtime torch loaded), so no thread of torch's spins on a core
+the kernel needs. Without OpenMP the pairs run on :mod:`llmkit.kernels.worker_threads` (a
+call releases the GIL). Where no compiler is found or the build fails, :func:`library`
+returns None (:func:`unavailable_reason` says why) and the PyTorch path runs;
+``LLMKIT_NATIVE_KERNELS=0`` turns the kernel off.
 
 **What it takes**: CPU tensors, fp32 (fp16 and bf16 are computed in fp32 and cast back, as
 the PyTorch path does), head dims a multiple of the vector step (32 floats with AVX-512, 16
@@ -28,16 +26,7 @@ path). Speed, against the PyTorch path and SDPA: docs/benchmarks.md.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
-import hashlib
-import os
-import platform
-import shlex
-import shutil
-import subprocess
-import sys
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -45,176 +34,45 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from llmkit.files import store_root
-from llmkit.hardware import cpuinfo_field
 from llmkit.kernels import worker_threads
+from llmkit.kernels.native_build import FLAGS, OPENMP, NativeLibrary
 from llmkit.kernels.worker_threads import run_parts, workers_for
 
-#: Set to ``0`` to keep the compiled kernel off (the PyTorch path runs instead).
-ENV = "LLMKIT_NATIVE_KERNELS"
 SOURCE = Path(__file__).with_name("window_native.c")
-#: Compiler flags of the cached build: tuned for the CPU it runs on.
-FLAGS = ("-O3", "-std=gnu11", "-fPIC", "-shared", "-march=native")
-#: Added to :data:`FLAGS` for the build tried first; without it the pairs run on Python threads.
-OPENMP = ("-fopenmp",)
-#: Seconds a build may take (it takes about one).
-BUILD_TIMEOUT = 120
 
-_LOCK = threading.Lock()
-_STATE: dict[str, Any] = {}  # "lib": the loaded library or None; "why": the reason if None
 _PTR = ctypes.c_void_p
 _INT = ctypes.c_int
+_TAIL = [_INT] * 8 + [ctypes.c_float, _PTR, ctypes.c_long, _INT]
 
-
-def enabled() -> bool:
-    """False when ``LLMKIT_NATIVE_KERNELS=0`` (or ``false``/``no``/``off``)."""
-    return os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "no", "off")
-
-
-def compiler() -> list[str] | None:
-    """The C compiler's command: ``$CC`` (every word, so ``ccache gcc`` works), else the first
-    of cc, gcc, clang on PATH; None if its program is not found."""
-    if os.environ.get("CC", "").strip():
-        words = shlex.split(os.environ["CC"])
-        found = shutil.which(words[0])
-        return [found, *words[1:]] if found else None
-    for name in ("cc", "gcc", "clang"):
-        found = shutil.which(name)
-        if found:
-            return [found]
-    return None
-
-
-def cpu_flags() -> str:
-    """The CPU's feature flags as the OS reports them (Linux: /proc/cpuinfo), else its name."""
-    found = cpuinfo_field(("flags", "Features"))
-    return found if found is not None else f"{platform.machine()} {platform.processor()}"
-
-
-def library_name(cc: list[str], flags: tuple[str, ...]) -> str:
-    """File name of the library built from this source with this compiler command and flags
-    on this CPU (a hash of all four)."""
-    key = hashlib.sha256()
-    parts = (SOURCE.read_bytes(), " ".join(cc), " ".join(flags), cpu_flags())
-    for part in (p if isinstance(p, bytes) else p.encode() for p in parts):
-        key.update(part)
-        key.update(b"\0")
-    suffix = ".dylib" if sys.platform == "darwin" else ".so"
-    return f"window_native-{key.hexdigest()[:20]}{suffix}"
-
-
-def built_path(cc: list[str], flags: tuple[str, ...], directory: Path | None = None) -> Path:
-    """Where :func:`build` puts the library for ``cc`` and ``flags`` (default directory: the
-    cache's ``kernels``)."""
-    folder = directory if directory is not None else store_root() / "kernels"
-    return folder / library_name(cc, flags)
-
-
-class CompileError(RuntimeError):
-    """The compiler ran and rejected the source or its flags (not a timeout or a crash)."""
-
-
-def build(cc: list[str], flags: tuple[str, ...] = FLAGS, directory: Path | None = None) -> Path:
-    """The library compiled from the source with the command ``cc`` and ``flags`` into
-    ``directory`` (default: the cache's ``kernels``), reused if already there. Raises
-    :class:`CompileError` with the compiler's first error line if it rejects them, and
-    RuntimeError if it cannot run or takes over :data:`BUILD_TIMEOUT` seconds."""
-    path = built_path(cc, flags, directory)
-    if path.exists():
-        return path
-    folder = path.parent
-    folder.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    cmd = [*cc, *flags, "-o", str(tmp), str(SOURCE), "-lm"]
-    name = Path(cc[0]).name
-    try:
-        done = subprocess.run(
-            cmd, capture_output=True, text=True, check=False, timeout=BUILD_TIMEOUT
-        )
-    except (OSError, subprocess.TimeoutExpired) as err:
-        tmp.unlink(missing_ok=True)
-        raise RuntimeError(f"{name} did not finish: {err}") from err
-    if done.returncode != 0:
-        tmp.unlink(missing_ok=True)
-        errors = [ln for ln in (done.stderr or done.stdout).splitlines() if "error" in ln.lower()]
-        first = errors[0].strip() if errors else f"exit status {done.returncode}"
-        raise CompileError(f"{name} failed: {first}")
-    os.replace(tmp, path)  # atomic: a concurrent build writes the same bytes
-    return path
-
-
-def load(path: Path) -> ctypes.CDLL:
-    """The library at ``path`` with its functions' signatures set."""
-    lib = ctypes.CDLL(str(path))
-    lib.llmkit_window_lanes.restype = _INT
-    lib.llmkit_window_work.restype = ctypes.c_long
-    lib.llmkit_window_work.argtypes = [_INT, _INT, _INT, _INT]
-    lib.llmkit_window_openmp.restype = _INT
-    tail = [_INT] * 8 + [ctypes.c_float, _PTR, ctypes.c_long, _INT]
-    lib.llmkit_window_forward.restype = None
-    lib.llmkit_window_forward.argtypes = [_PTR] * 6 + tail
-    lib.llmkit_window_backward.restype = None
-    lib.llmkit_window_backward.argtypes = [_PTR] * 10 + tail
-    return lib
+#: The compiled kernel: tried with OpenMP (:data:`OPENMP`), then without.
+KERNEL = NativeLibrary(
+    "window_native",
+    SOURCE,
+    {
+        "llmkit_window_lanes": (_INT, None),
+        "llmkit_window_work": (ctypes.c_long, [_INT, _INT, _INT, _INT]),
+        "llmkit_window_openmp": (_INT, None),
+        "llmkit_window_forward": (None, [_PTR] * 6 + _TAIL),
+        "llmkit_window_backward": (None, [_PTR] * 10 + _TAIL),
+    },
+    builds=(FLAGS + OPENMP, FLAGS),
+)
 
 
 def library() -> ctypes.CDLL | None:
     """The compiled kernel, built on first use; None where it is off or cannot be built."""
-    if not enabled():
-        return None
-    with _LOCK:
-        if "lib" not in _STATE:
-            cc = compiler()
-            if cc is None:
-                given = os.environ.get("CC", "").strip()
-                why = f"CC={given} not found" if given else "no C compiler found (set CC)"
-                _STATE.update(lib=None, why=why)
-            elif os.name != "posix":
-                _STATE.update(lib=None, why="built on POSIX systems only")
-            else:
-                try:
-                    _STATE.update(lib=_first_loadable(cc), why=None)
-                except _Unavailable as err:  # none: the PyTorch path runs
-                    _STATE.update(lib=None, why=str(err))
-                except (OSError, RuntimeError) as err:  # the cache or the source unreadable
-                    _STATE.update(lib=None, why=f"build failed: {err}")
-        return _STATE["lib"]
+    return KERNEL.load()
 
 
-class _Unavailable(RuntimeError):
-    """Why no build could be loaded (the message is the reason :func:`library` keeps)."""
+def unavailable_reason() -> str | None:
+    """Why :func:`library` returns None (after a call), else None."""
+    return KERNEL.unavailable_reason()
 
 
-def _first_loadable(cc: list[str]) -> ctypes.CDLL:
-    """The build with OpenMP, else the one without, each from the cache or compiled now. A
-    build the compiler rejected (say ``-fopenmp`` without an OpenMP library) leaves a
-    ``.rejected`` file with its error beside where the library would be, so later processes
-    do not ask again; a timeout or a crash leaves none. Raises the last failure."""
-    failure = _Unavailable("no build tried")
-    for flags in (FLAGS + OPENMP, FLAGS):
-        path = built_path(cc, flags)
-        rejected = path.with_name(f"{path.name}.rejected")
-        if not path.exists() and rejected.exists():
-            failure = _Unavailable(
-                f"build failed earlier: {rejected.read_text().strip()} (delete {rejected} "
-                "to try again)"
-            )
-            continue
-        try:
-            built = build(cc, flags)
-        except CompileError as err:
-            with contextlib.suppress(OSError):  # an unwritable cache only costs a retry
-                rejected.write_text(f"{err}\n")
-            failure = _Unavailable(f"build failed: {err}")
-            continue
-        except RuntimeError as err:
-            failure = _Unavailable(f"build failed: {err}")
-            continue
-        try:
-            return load(built)
-        except OSError as err:  # e.g. an OpenMP runtime this process cannot find
-            failure = _Unavailable(f"load failed: {err}")
-    raise failure
+def forget() -> None:
+    """Forget the loaded library (or the reason there is none): the next call builds or loads
+    again."""
+    KERNEL.forget()
 
 
 def describe() -> str:
@@ -228,20 +86,6 @@ def describe() -> str:
             f"{lanes}; {threads} threads)"
         )
     return f"the PyTorch path (compiled kernel unavailable: {unavailable_reason()})"
-
-
-def unavailable_reason() -> str | None:
-    """Why :func:`library` returns None (after a call), else None."""
-    if not enabled():
-        return f"turned off by {ENV}"
-    return _STATE.get("why")
-
-
-def forget() -> None:
-    """Forget the loaded library (or the reason there is none): the next call builds or loads
-    again."""
-    with _LOCK:
-        _STATE.clear()
 
 
 def supports(
@@ -287,8 +131,8 @@ def window_attention_native(
     """Sliding-window attention by the compiled kernel (differentiable in q, k, v): the
     contract of :func:`llmkit.components.attention.sliding_window.sliding_window_attention`
     without key padding and dropout, shapes already checked (``groups`` = Hq // Hkv).
-    ``lib``: a library from :func:`load` (default :func:`library`; check :func:`supports`
-    first)."""
+    ``lib``: a library from ``KERNEL.load_file`` (default :func:`library`; check
+    :func:`supports` first)."""
     if window < 1:
         raise ValueError(f"window must be ≥ 1, got {window}")
     compiling = torch.compiler.is_compiling()

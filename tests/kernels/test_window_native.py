@@ -20,7 +20,7 @@ from llmkit.components.attention.sliding_window import (
 )
 from llmkit.components.position.alibi import alibi_slopes
 from llmkit.contracts import DistanceBias
-from llmkit.kernels import block_local, window_native, worker_threads
+from llmkit.kernels import block_local, native_build, window_native, worker_threads
 from tests.components.test_attention import _grads_vs_reference, make_qkv, naive
 
 
@@ -37,11 +37,11 @@ def lib():
 def fresh_state(monkeypatch, tmp_path):
     """An empty kernel cache and no loaded library; the module's state is restored after."""
     monkeypatch.setenv("LLMKIT_CACHE_DIR", str(tmp_path / "cache"))
-    saved = dict(window_native._STATE)
+    saved = dict(window_native.KERNEL._state)
     window_native.forget()
     yield tmp_path
     window_native.forget()
-    window_native._STATE.update(saved)
+    window_native.KERNEL._state.update(saved)
 
 
 @pytest.fixture
@@ -178,8 +178,8 @@ def test_openmp_build_runs_on_torchs_runtime(lib, tmp_path):
     OpenMP runtime is ``libgomp.so.1`` (its Linux wheels) the kernel binds to that one: a
     single libgomp in the process, so its threads are torch's."""
     try:
-        window_native.build(window_native.compiler(), window_native.FLAGS + window_native.OPENMP,
-                            tmp_path)  # fmt: skip
+        flags = native_build.FLAGS + native_build.OPENMP
+        window_native.KERNEL.build(native_build.compiler(), flags, tmp_path)
     except RuntimeError:
         pytest.skip("this compiler has no OpenMP")
     assert lib.llmkit_window_openmp() == 1
@@ -194,8 +194,10 @@ def test_openmp_build_runs_on_torchs_runtime(lib, tmp_path):
 def test_a_build_without_openmp_runs_pairs_on_worker_threads(lib, monkeypatch, tmp_path):
     """A build without OpenMP gives the OpenMP build's results bit for bit, its pairs on
     Python worker threads."""
-    cc = window_native.compiler()
-    serial = window_native.load(window_native.build(cc, window_native.FLAGS, tmp_path))
+    cc = native_build.compiler()
+    serial = window_native.KERNEL.load_file(
+        window_native.KERNEL.build(cc, native_build.FLAGS, tmp_path)
+    )
     assert serial.llmkit_window_openmp() == 0
     runs = []
 
@@ -227,7 +229,7 @@ def test_a_build_without_openmp_runs_pairs_on_worker_threads(lib, monkeypatch, t
 def test_a_compiler_without_openmp_still_builds_it(fresh_state, monkeypatch):
     """A compiler that rejects -fopenmp: the library is built without it, runs, and is
     loaded from the cache next time."""
-    cc = window_native.compiler()
+    cc = native_build.compiler()
     if cc is None:
         pytest.skip("no C compiler")
     script = fresh_state / "noomp"
@@ -261,42 +263,42 @@ def test_a_compiler_without_openmp_still_builds_it(fresh_state, monkeypatch):
 def test_a_one_off_build_failure_is_not_remembered(fresh_state, monkeypatch):
     """A compile that times out (or crashes) leaves no mark: the next process builds with
     OpenMP again."""
-    cc = window_native.compiler()
+    cc = native_build.compiler()
     if cc is None:
         pytest.skip("no C compiler")
     try:
-        window_native.build(cc, window_native.FLAGS + window_native.OPENMP, fresh_state)
+        window_native.KERNEL.build(cc, native_build.FLAGS + native_build.OPENMP, fresh_state)
     except RuntimeError:
         pytest.skip("this compiler has no OpenMP")
-    real = window_native.build
+    real = window_native.KERNEL.build
 
-    def timeout_once(cc, flags=window_native.FLAGS, directory=None):
-        if window_native.OPENMP[0] in flags:
+    def timeout_once(cc, flags=native_build.FLAGS, directory=None):
+        if native_build.OPENMP[0] in flags:
             raise RuntimeError("cc did not finish: timed out")
         return real(cc, flags, directory)
 
-    monkeypatch.setattr(window_native, "build", timeout_once)
+    monkeypatch.setattr(window_native.KERNEL, "build", timeout_once)
     assert window_native.library().llmkit_window_openmp() == 0
     assert not list((fresh_state / "cache" / "kernels").glob("*.rejected"))
     window_native.forget()
-    monkeypatch.setattr(window_native, "build", real)
+    monkeypatch.setattr(window_native.KERNEL, "build", real)
     assert window_native.library().llmkit_window_openmp() == 1
 
 
 def test_a_build_that_does_not_load_falls_back_to_the_other(fresh_state, monkeypatch):
     """A cached OpenMP build this process cannot load (its runtime missing here): the build
     without OpenMP runs; if nothing loads, the reason says so."""
-    cc = window_native.compiler()
+    cc = native_build.compiler()
     if cc is None:
         pytest.skip("no C compiler")
-    real = window_native.load
+    real = window_native.KERNEL.load_file
 
     def no_openmp_runtime(path):
-        if path == window_native.built_path(cc, window_native.FLAGS + window_native.OPENMP):
+        if path == window_native.KERNEL.built_path(cc, native_build.FLAGS + native_build.OPENMP):
             raise OSError("libomp.so: cannot open shared object file")
         return real(path)
 
-    monkeypatch.setattr(window_native, "load", no_openmp_runtime)
+    monkeypatch.setattr(window_native.KERNEL, "load_file", no_openmp_runtime)
     built = window_native.library()
     assert built is not None and built.llmkit_window_openmp() == 0
     window_native.forget()
@@ -304,7 +306,7 @@ def test_a_build_that_does_not_load_falls_back_to_the_other(fresh_state, monkeyp
     def nothing_loads(path):
         raise OSError("cannot open shared object file")
 
-    monkeypatch.setattr(window_native, "load", nothing_loads)
+    monkeypatch.setattr(window_native.KERNEL, "load_file", nothing_loads)
     assert window_native.library() is None
     assert window_native.unavailable_reason() == "load failed: cannot open shared object file"
 
@@ -312,7 +314,7 @@ def test_a_build_that_does_not_load_falls_back_to_the_other(fresh_state, monkeyp
 def test_an_unreadable_source_is_a_reason_not_an_error(fresh_state, monkeypatch):
     """A failure before any compiler runs (the source missing, the cache unreadable) turns
     the kernel off with the reason; the PyTorch path runs."""
-    monkeypatch.setattr(window_native, "SOURCE", fresh_state / "missing.c")
+    monkeypatch.setattr(window_native.KERNEL, "source", fresh_state / "missing.c")
     q, k, v = make_qkv(1, 2, 2, 24, 24, d=64)
     got = sliding_window_attention(q, k, v, 8)
     torch.testing.assert_close(got, naive(q, k, v, window=8).float(), atol=2e-6, rtol=0)
@@ -358,7 +360,7 @@ def test_other_calls_take_the_pytorch_path(lib, count_calls):
 
 
 def test_turned_off_by_the_environment(lib, monkeypatch, count_calls):
-    monkeypatch.setenv(window_native.ENV, "0")
+    monkeypatch.setenv(native_build.ENV, "0")
     q, k, v = make_qkv(1, 2, 2, 24, 24, d=64)
     torch.testing.assert_close(
         sliding_window_attention(q, k, v, 8), naive(q, k, v, window=8).float(), atol=2e-6, rtol=0
@@ -427,14 +429,16 @@ def test_decoding_works_on_the_last_keys_only(lib):
 def avx2_lib(tmp_path_factory):
     """The AVX2 build (8 lanes, 6-row tiles) a CPU without AVX-512 compiles; it runs here
     wherever AVX2 and FMA do, whatever else this CPU has."""
-    flags = window_native.cpu_flags().split()
+    flags = native_build.cpu_flags().split()
     if platform.machine() not in ("x86_64", "AMD64") or not {"avx2", "fma"} <= set(flags):
         pytest.skip("needs an x86-64 CPU with AVX2 and FMA")
-    cc = window_native.compiler()
+    cc = native_build.compiler()
     if cc is None:
         pytest.skip("no C compiler")
-    avx2 = (*window_native.FLAGS[:-1], "-mavx2", "-mfma")
-    built = window_native.load(window_native.build(cc, avx2, tmp_path_factory.mktemp("avx2")))
+    avx2 = (*native_build.FLAGS[:-1], "-mavx2", "-mfma")
+    built = window_native.KERNEL.load_file(
+        window_native.KERNEL.build(cc, avx2, tmp_path_factory.mktemp("avx2"))
+    )
     assert built.llmkit_window_lanes() == 16
     return built
 
@@ -476,19 +480,19 @@ def _check_avx2_case(avx2_lib, case):
 def test_build_is_cached_per_source_compiler_and_cpu(fresh_state, monkeypatch):
     """The first call compiles into the cache; later loads reuse the file (no compiler run);
     the name changes with the flags."""
-    cc = window_native.compiler()
+    cc = native_build.compiler()
     if cc is None:
         pytest.skip("no C compiler")
-    first = window_native.build(cc)
+    first = window_native.KERNEL.build(cc)
     assert first.parent == fresh_state / "cache" / "kernels" and first.exists()
 
     def no_compiler(*args, **kwargs):
         raise AssertionError("compiled again")
 
     monkeypatch.setattr(subprocess, "run", no_compiler)
-    assert window_native.build(cc) == first
-    assert window_native.library_name(cc, window_native.FLAGS[:-1]) != first.name
-    assert window_native.library_name(["ccache", *cc], window_native.FLAGS) != first.name
+    assert window_native.KERNEL.build(cc) == first
+    assert window_native.KERNEL.library_name(cc, native_build.FLAGS[:-1]) != first.name
+    assert window_native.KERNEL.library_name(["ccache", *cc], native_build.FLAGS) != first.name
     assert not list(first.parent.glob("*.tmp"))
 
 
@@ -538,11 +542,11 @@ def test_memory_is_linear_in_length(lib):
 
 def test_cc_may_carry_a_launcher(fresh_state, monkeypatch):
     """``CC="ccache gcc"``-style commands keep every word."""
-    cc = window_native.compiler()
+    cc = native_build.compiler()
     if cc is None or shutil.which("env") is None:
         pytest.skip("no C compiler or no env")
     monkeypatch.setenv("CC", f"env {cc[0]}")
-    assert window_native.compiler() == [shutil.which("env"), cc[0]]
+    assert native_build.compiler() == [shutil.which("env"), cc[0]]
     assert window_native.library() is not None, window_native.unavailable_reason()
 
 

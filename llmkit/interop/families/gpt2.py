@@ -18,15 +18,15 @@ llmkit's single ``attn_scale`` cannot hold) and ``add_cross_attention`` (an enco
 cross-attention llmkit has no module for).
 
 Dropout rates (``resid_pdrop``, ``embd_pdrop``, ``attn_pdrop``) are training settings and
-are not carried over (as for every family). The helpers at the bottom (what a spec must be
-to hold "plain" attention, a LayerNorm, an MLP) are shared with the OPT and MPT families.
+are not carried over (as for every family). The checks it shares with the OPT and MPT
+families (what a spec must be to hold "plain" attention, a LayerNorm, an MLP) are in
+:mod:`llmkit.interop.family_common`.
 """
 
 from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from llmkit.interop import attention_layers as layers_of
 from llmkit.interop.family import (
     Family,
     Refused,
@@ -35,6 +35,13 @@ from llmkit.interop.family import (
     need,
     refuse_set,
     same_in_every_layer,
+)
+from llmkit.interop.family_common import (
+    attention_biases,
+    layernorm,
+    learned_positions,
+    mlp,
+    plain_mha,
 )
 from llmkit.interop.mapping import Rule, same, transposed
 from llmkit.spec import ResolvedSpec
@@ -123,7 +130,7 @@ class GPT2(Family):
     # -- export -----------------------------------------------------------------------------
     def hf_config(self, rs: ResolvedSpec) -> dict[str, Any]:
         m = rs.model
-        plain_attention(rs)
+        plain_mha(rs)
         learned_positions(rs)
         if same_in_every_layer(rs, "block")[0] != "pre_norm":
             raise Refused("the block is not pre_norm (GPT-2 normalizes before each sublayer)")
@@ -131,7 +138,8 @@ class GPT2(Family):
             raise Refused("final_norm is off (GPT-2 has a final LayerNorm, ln_f)")
         eps, norm_bias = layernorm(rs)
         act, hidden, mlp_bias = mlp(rs)
-        biases = {"qkv_bias": attn_bias(rs)[0], "attn_out_bias": attn_bias(rs)[1],
+        qkv_bias, out_bias = attention_biases(rs)
+        biases = {"qkv_bias": qkv_bias, "attn_out_bias": out_bias,
                   "ffn bias": mlp_bias, "norm bias": norm_bias}  # fmt: skip
         missing = [k for k, v in biases.items() if not v]
         if missing:
@@ -160,76 +168,6 @@ class GPT2(Family):
             "add_cross_attention": False,
             "tie_word_embeddings": m.tie_embeddings,
         }
-
-
-# -- checks of a spec shared with the OPT and MPT families ------------------------------------
-
-
-def plain_attention(rs: ResolvedSpec) -> None:
-    """Multi-head attention over every earlier key, no q/k transform, a plain embedding and
-    a plain head: what GPT-2, OPT and MPT have in common."""
-    m = rs.model
-    if m.kv_heads != m.n_heads:
-        raise Refused(f"n_kv_heads {m.kv_heads} (this family has multi-head attention only)")
-    if m.dim_head * m.n_heads != m.d_model:
-        raise Refused(f"head_dim {m.dim_head} is not d_model / n_heads")
-    if same_in_every_layer(rs, "qk_transform")[0]:
-        raise Refused("qk_transform (this family has no q/k normalization)")
-    sizes = {w for w in layers_of.windows(rs) if w is not None}
-    if sizes:
-        raise Refused(f"a sliding window of {min(sizes)} (this family attends in full)")
-    for j in range(len(rs.layers)):
-        if rs.layers[j].attention.options.model_dump().get("softcap") is not None:
-            raise Refused(f"attention softcap in layer {j}")
-    if m.embedding_scale != 1.0:
-        raise Refused(f"embedding_scale {m.embedding_scale!r}")
-    if m.logit_softcap is not None:
-        raise Refused(f"logit_softcap {m.logit_softcap}")
-    if m.head_bias:
-        raise Refused("head_bias (this family's head has no bias)")
-
-
-def learned_positions(rs: ResolvedSpec) -> None:
-    """Learned absolute positions for the whole model."""
-    name, _ = same_in_every_layer(rs, "position")
-    if rs.position.name != "learned" or name != "learned":
-        raise Refused(f"position {rs.position.name!r} (this family has learned positions)")
-
-
-def attn_bias(rs: ResolvedSpec) -> tuple[bool, bool]:
-    """(q/k/v bias, output projection bias) of the spec."""
-    m = rs.model
-    qkv = m.bias if m.qkv_bias is None else m.qkv_bias
-    out = m.bias if m.attn_out_bias is None else m.attn_out_bias
-    return bool(qkv), bool(out)
-
-
-def layernorm(rs: ResolvedSpec) -> tuple[float, bool]:
-    """(eps, bias) of a LayerNorm used everywhere (each layer and the final norm)."""
-    name, opts = same_in_every_layer(rs, "norm")
-    final = (rs.norm.name, rs.norm.options.model_dump())
-    if rs.model.final_norm and final != (name, opts):
-        raise Refused("the final norm differs from the layers' norms")
-    if name != "layernorm":
-        raise Refused(f"norm {name!r} (this family has LayerNorm)")
-    bias = rs.model.bias if opts.get("bias") is None else opts["bias"]
-    return opts["eps"], bool(bias)
-
-
-def mlp(rs: ResolvedSpec) -> tuple[str, int | None, bool]:
-    """(activation, hidden size, bias) of a two-layer MLP used in every layer; the hidden
-    size is None when the spec leaves it to the default 4·d_model (an HF config then leaves
-    it out too, so the spec reads back the same)."""
-    from llmkit.contracts import ffn_hidden
-
-    name, opts = same_in_every_layer(rs, "ffn")
-    if name != "mlp":
-        raise Refused(f"ffn {name!r} (this family has a two-layer MLP)")
-    hidden = opts.get("hidden")
-    if not hidden and (opts["multiplier"], opts["multiple_of"]) != (4.0, 1):
-        hidden = ffn_hidden(rs.model.d_model, None, opts["multiplier"], opts["multiple_of"])
-    bias = rs.model.bias if opts.get("bias") is None else opts["bias"]
-    return opts["activation"], hidden or None, bool(bias)
 
 
 FAMILY = GPT2()

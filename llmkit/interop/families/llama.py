@@ -17,7 +17,6 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 from llmkit.interop import attention_layers as layers_of
-from llmkit.interop.families.neox import attention_biases, effective
 from llmkit.interop.family import (
     Family,
     Refused,
@@ -29,6 +28,7 @@ from llmkit.interop.family import (
     refuse_set,
     same_in_every_layer,
 )
+from llmkit.interop.family_common import attention_biases, effective
 from llmkit.interop.mapping import Rule, experts, gated_mlp, qk_norms, same, separate_qkv
 from llmkit.interop.rotary import hf_rope, rope_options
 from llmkit.spec import ResolvedSpec

@@ -34,8 +34,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, ClassVar
 
-from llmkit.interop.families.gpt2 import attn_bias, layernorm, mlp, plain_attention
 from llmkit.interop.family import Family, Refused, need, same_in_every_layer
+from llmkit.interop.family_common import attention_biases, layernorm, mlp, plain_mha
 from llmkit.interop.mapping import Rule, same
 from llmkit.spec import ResolvedSpec
 
@@ -126,7 +126,7 @@ class MPT(Family):
     # -- export -----------------------------------------------------------------------------
     def hf_config(self, rs: ResolvedSpec) -> dict[str, Any]:
         m = rs.model
-        plain_attention(rs)
+        plain_mha(rs)
         name, opts = same_in_every_layer(rs, "position")
         if rs.position.name != "alibi" or name != "alibi":
             raise Refused(f"position {rs.position.name!r} (transformers' MPT has ALiBi only)")
@@ -145,7 +145,7 @@ class MPT(Family):
             raise Refused(f"MLP activation {act!r} (MPT's is exact GELU)")
         if hidden not in (None, EXPANSION * m.d_model):
             raise Refused(f"MLP hidden size {hidden} (transformers' MPT has 4·d_model)")
-        if any(attn_bias(rs)) or mlp_bias or norm_bias:
+        if any(attention_biases(rs)) or mlp_bias or norm_bias:
             raise Refused("a bias (transformers' MPT has none: no linear or norm biases)")
         return {
             "model_type": "mpt",

@@ -10,8 +10,8 @@ the last dimension), ``.attention.dense``, ``.post_attention_layernorm``,
 ``embed_out`` (the name on disk; transformers 5 calls the module ``lm_head``). No GQA: keys
 and values have as many heads as queries.
 
-The helpers below (rotary defaults, the LayerNorm and bias checks) are shared with the other
-LayerNorm families: Phi, StableLM and Starcoder2.
+The helpers it shares with the other LayerNorm families, Phi, StableLM and Starcoder2
+(rotary defaults, the LayerNorm and bias checks), are in :mod:`llmkit.interop.family_common`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from typing import Any, ClassVar
 
 from torch import Tensor
 
-from llmkit.interop import attention_layers as layers_of
 from llmkit.interop.family import (
     Family,
     Refused,
@@ -29,121 +28,21 @@ from llmkit.interop.family import (
     need,
     same_in_every_layer,
 )
+from llmkit.interop.family_common import (
+    attention_biases,
+    biases,
+    block_kind,
+    effective,
+    ffn_hidden_size,
+    hf_rope_exact,
+    layernorm_eps,
+    layernorm_rules,
+    linear_rules,
+    plain_attention,
+    rope_position,
+)
 from llmkit.interop.mapping import Rule, mapped, same
-from llmkit.interop.rotary import hf_rope, rope_options
 from llmkit.spec import ResolvedSpec
-
-# -- helpers shared by the LayerNorm families -------------------------------------------------
-
-
-def rope_position(cfg: dict[str, Any], head_dim: int, default_fraction: float,
-                  theta_key: str = "rope_theta",
-                  fraction_key: str = "partial_rotary_factor") -> dict[str, Any]:  # fmt: skip
-    """llmkit's ``model.position`` for a family whose rotary fraction defaults to
-    ``default_fraction`` (as transformers 5 reads it: ``rope_parameters`` first, then the
-    legacy ``rope_scaling`` and the ``theta_key`` / ``fraction_key`` keys, then defaults)."""
-    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    if not isinstance(params, dict):
-        raise Refused(f"config rope_parameters={params!r} is not a table")
-    params = dict(params)
-    if "rope_type" not in params and "type" in params:
-        params["rope_type"] = params.pop("type")
-    params.setdefault("rope_type", "default")
-    params.setdefault("rope_theta", cfg.get(theta_key, 10000.0))
-    fraction = params.get("partial_rotary_factor")
-    if fraction is None:
-        fraction = cfg.get(fraction_key, default_fraction)
-    if not 0.0 < float(fraction) <= 1.0:
-        raise Refused(f"config {fraction_key}={fraction!r}: the rotary fraction must be in (0, 1]")
-    params["partial_rotary_factor"] = fraction
-    plain = {k: v for k, v in cfg.items() if k != "rope_scaling"}
-    return rope_options(plain | {"rope_parameters": params, fraction_key: fraction}, head_dim,
-                        fraction_key)  # fmt: skip
-
-
-def hf_rope_exact(rs: ResolvedSpec, fraction_key: str = "partial_rotary_factor") -> dict[str, Any]:
-    """:func:`hf_rope`, with the rotary fraction written even when it is 1 (these families
-    default to less)."""
-    out = hf_rope(rs, fraction_key)
-    fraction = same_in_every_layer(rs, "position")[1]["rotary_fraction"]
-    out[fraction_key] = fraction
-    out["rope_parameters"]["partial_rotary_factor"] = fraction
-    return out
-
-
-def layernorm_eps(rs: ResolvedSpec) -> float:
-    """The eps of the spec's norms, which must all be one LayerNorm with a bias (these
-    families' ``nn.LayerNorm``); refuses anything else by name."""
-    name, opts = same_in_every_layer(rs, "norm")
-    final = rs.norm.name, rs.norm.options.model_dump()
-    if final != (name, opts):
-        raise Refused(f"the final norm ({final[0]}) differs from the blocks' norm ({name})")
-    if name != "layernorm":
-        raise Refused(f"norm {name!r}: this family uses LayerNorm")
-    if not effective(rs, opts.get("bias")):
-        raise Refused("norm layernorm without a bias: this family's LayerNorms have one")
-    if not rs.model.final_norm:
-        raise Refused("final_norm=false: this family has a final LayerNorm")
-    return opts["eps"]
-
-
-def biases(model: dict[str, Any], bias: bool, *, qkv: bool | None = None,
-           out: bool | None = None) -> dict[str, Any]:  # fmt: skip
-    """``model`` with its ``bias`` and the q/k/v and output-projection biases, each written
-    only where it differs from ``bias`` (as a spec written by hand leaves them)."""
-    model["bias"] = bias
-    for key, value in (("qkv_bias", qkv), ("attn_out_bias", out)):
-        if value is not None and value != bias:
-            model[key] = value
-    return model
-
-
-def with_bias(table: dict[str, Any], model_bias: bool, bias: bool) -> dict[str, Any]:
-    """A norm or ffn table with ``bias`` written only where it differs from the model's."""
-    return table | ({"bias": bias} if bias != model_bias else {})
-
-
-def effective(rs: ResolvedSpec, bias: bool | None) -> bool:
-    """A bias setting, unset following the model's ``bias``."""
-    return bool(rs.model.bias if bias is None else bias)
-
-
-def attention_biases(rs: ResolvedSpec) -> tuple[bool, bool]:
-    """(q/k/v bias, output projection bias) of the spec."""
-    m = rs.model
-    return effective(rs, m.qkv_bias), effective(rs, m.attn_out_bias)
-
-
-def ffn_hidden_size(rs: ResolvedSpec, opts: dict[str, Any]) -> int:
-    from llmkit.contracts import ffn_hidden
-
-    return ffn_hidden(rs.model.d_model, opts.get("hidden"), opts["multiplier"], opts["multiple_of"])
-
-
-def plain_attention(rs: ResolvedSpec, family: str, *, windows: bool = False) -> None:
-    """Refuse q/k transforms and (unless the family has them) sliding windows."""
-    qk, _ = same_in_every_layer(rs, "qk_transform")
-    if qk:
-        raise Refused(f"qk_transform {qk!r}: {family} has no such q/k transform")
-    if not windows and any(w is not None for w in layers_of.windows(rs)):
-        raise Refused(f"sliding-window attention: {family} attends to every earlier token")
-
-
-def block_kind(rs: ResolvedSpec) -> tuple[str, dict[str, Any]]:
-    """The spec's block (the same in every layer)."""
-    return same_in_every_layer(rs, "block")
-
-
-def layernorm_rules(us: str, theirs: str) -> list[Rule]:
-    return [same(us + ".weight", theirs + ".weight"), same(us + ".bias", theirs + ".bias")]
-
-
-def linear_rules(us: str, theirs: str, bias: bool) -> list[Rule]:
-    out = [same(us + ".weight", theirs + ".weight")]
-    if bias:
-        out.append(same(us + ".bias", theirs + ".bias"))
-    return out
-
 
 # -- GPT-NeoX ---------------------------------------------------------------------------------
 

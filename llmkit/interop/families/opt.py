@@ -38,13 +38,6 @@ from typing import Any, ClassVar
 import torch
 
 from llmkit.errors import LlmkitError
-from llmkit.interop.families.gpt2 import (
-    attn_bias,
-    layernorm,
-    learned_positions,
-    mlp,
-    plain_attention,
-)
 from llmkit.interop.family import (
     Family,
     Refused,
@@ -52,6 +45,13 @@ from llmkit.interop.family import (
     hf_activation,
     need,
     same_in_every_layer,
+)
+from llmkit.interop.family_common import (
+    attention_biases,
+    layernorm,
+    learned_positions,
+    mlp,
+    plain_mha,
 )
 from llmkit.interop.mapping import Rule, mapped, same, separate_qkv
 from llmkit.spec import ResolvedSpec
@@ -153,7 +153,7 @@ class OPT(Family):
 
     def hf_config(self, rs: ResolvedSpec) -> dict[str, Any]:
         m = rs.model
-        plain_attention(rs)
+        plain_mha(rs)
         learned_positions(rs)
         block = same_in_every_layer(rs, "block")[0]
         if block not in ("pre_norm", "post_norm"):
@@ -164,7 +164,7 @@ class OPT(Family):
         if eps != EPS:
             raise Refused(f"LayerNorm eps {eps} (OPT's is fixed at {EPS})")
         act, hidden, mlp_bias = mlp(rs)
-        qkv_bias, out_bias = attn_bias(rs)
+        qkv_bias, out_bias = attention_biases(rs)
         if len({qkv_bias, out_bias, mlp_bias}) > 1:
             raise Refused("some linear layers have biases and some not (OPT: enable_bias)")
         if m.attn_scale is not None:

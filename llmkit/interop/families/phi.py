@@ -12,7 +12,17 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from llmkit.interop.families.neox import (
+from llmkit.interop.family import (
+    Family,
+    Refused,
+    activation,
+    dimensions,
+    hf_activation,
+    hf_dimensions,
+    need,
+    same_in_every_layer,
+)
+from llmkit.interop.family_common import (
     attention_biases,
     block_kind,
     effective,
@@ -23,16 +33,6 @@ from llmkit.interop.families.neox import (
     linear_rules,
     plain_attention,
     rope_position,
-)
-from llmkit.interop.family import (
-    Family,
-    Refused,
-    activation,
-    dimensions,
-    hf_activation,
-    hf_dimensions,
-    need,
-    same_in_every_layer,
 )
 from llmkit.interop.mapping import Rule, same, separate_qkv
 from llmkit.spec import ResolvedSpec

@@ -15,7 +15,15 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from llmkit.interop.families.neox import (
+from llmkit.interop.family import (
+    Family,
+    Refused,
+    dimensions,
+    hf_dimensions,
+    need,
+    same_in_every_layer,
+)
+from llmkit.interop.family_common import (
     attention_biases,
     biases,
     block_kind,
@@ -27,14 +35,6 @@ from llmkit.interop.families.neox import (
     linear_rules,
     plain_attention,
     rope_position,
-)
-from llmkit.interop.family import (
-    Family,
-    Refused,
-    dimensions,
-    hf_dimensions,
-    need,
-    same_in_every_layer,
 )
 from llmkit.interop.mapping import Rule, gated_mlp, same, separate_qkv
 from llmkit.spec import ResolvedSpec

@@ -14,7 +14,17 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 from llmkit.interop import attention_layers as layers_of
-from llmkit.interop.families.neox import (
+from llmkit.interop.family import (
+    Family,
+    Refused,
+    activation,
+    dimensions,
+    hf_activation,
+    hf_dimensions,
+    need,
+    same_in_every_layer,
+)
+from llmkit.interop.family_common import (
     attention_biases,
     block_kind,
     effective,
@@ -26,16 +36,6 @@ from llmkit.interop.families.neox import (
     plain_attention,
     rope_position,
     with_bias,
-)
-from llmkit.interop.family import (
-    Family,
-    Refused,
-    activation,
-    dimensions,
-    hf_activation,
-    hf_dimensions,
-    need,
-    same_in_every_layer,
 )
 from llmkit.interop.mapping import Rule, same, separate_qkv
 from llmkit.spec import ResolvedSpec
