@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import Field
 
 from llmkit.contracts import ComponentOptions
-from llmkit.errors import LlmkitError
+from llmkit.errors import LlmkitError, first_line
 
 if TYPE_CHECKING:
     import datasets
@@ -234,8 +234,7 @@ def _find_bad_file(
 def _reason(exc: BaseException) -> str:
     while exc.__cause__ is not None and "error occurred while generating" in str(exc):
         exc = exc.__cause__
-    text = str(exc).strip().splitlines()
-    return text[0] if text else type(exc).__name__
+    return first_line(exc)
 
 
 # -- sources read through datasets.load_dataset ------------------------------------------------
