@@ -8,6 +8,8 @@ projections and forward pass that ``swiglu`` and ``geglu`` share.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 from pydantic import Field
 from torch import Tensor, nn
 
@@ -34,7 +36,7 @@ class GatedFFNOptions(ComponentOptions):
     )
 
 
-class GatedFFN(nn.Module):
+class GatedFFN(nn.Module, ABC):
     """``out_proj(activate(gate_proj(x), up_proj(x)))``; subclasses define :meth:`activate`."""
 
     Options = GatedFFNOptions
@@ -52,6 +54,6 @@ class GatedFFN(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         return self.out_proj(self.activate(self.gate_proj(x), self.up_proj(x)))
 
+    @abstractmethod
     def activate(self, gate: Tensor, up: Tensor) -> Tensor:
         """The gated activation ``act(gate) * up`` of the two hidden projections."""
-        raise NotImplementedError
