@@ -52,7 +52,7 @@ from torch import Tensor, nn
 from llmkit.dropout import Dropout
 
 #: What the component of the spec table ``train.loss`` (the training objective's seam, read by
-#: ``llmkit.training.objective``) follows, whichever kind declares that section.
+#: ``llmkit.model.objective``) follows, whichever kind declares that section.
 LOSS_CONTRACT = (
     "Loss(options) -> nn.Module; loss(logits (..., V), targets (...)) -> 0-dim float tensor: "
     "the mean over targets that are not -100 (0 with a zero gradient when all are)"
@@ -63,9 +63,43 @@ POSITION_SITES = ("embedding", "qk", "score_bias")
 
 class ComponentOptions(BaseModel):
     """Base of every component's options: unknown keys and non-finite floats (inf, nan)
-    are rejected."""
+    are rejected.
+
+    Besides the values, options state facts about the component they build, which the core
+    asks instead of reading option names (a plugin's options inherit the defaults below and
+    override what differs): :meth:`parameter_count` (a spec's size estimate),
+    :meth:`effective` and :attr:`training_only` (what a Hugging Face export compares), and
+    :attr:`needs_base_weights` (``llmkit validate``: adapters need ``train.init_from``).
+    """
 
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    #: Options that change only how the component trains (dropout, auxiliary-loss
+    #: coefficients), never what the trained weights compute: an export leaves them out.
+    training_only: ClassVar[frozenset[str]] = frozenset()
+    #: The component adapts weights trained before (adapters): training needs them
+    #: (``train.init_from``), which ``llmkit validate`` checks for spec files.
+    needs_base_weights: ClassVar[bool] = False
+
+    def parameter_count(self, d_model: int, bias: bool) -> int | None:
+        """The parameters of the component these options build in a model of width
+        ``d_model`` whose linear layers have biases when ``bias`` (unless the options say
+        otherwise), or None when the options do not say (the default). Feed-forward options
+        say it: the spec's size estimate (:func:`llmkit.spec.estimate_parameters`) sums it,
+        with a generic estimate for an ffn whose options return None."""
+        return None
+
+    def effective(self, d_model: int, bias: bool) -> dict[str, Any]:
+        """The options as they take effect in a model of width ``d_model`` and bias setting
+        ``bias``, as JSON values: what the component derives from them is spelled out, so
+        options that build the same computation give equal mappings. By default every
+        option, with an unset ``bias`` (None: the convention "follows the model's bias
+        setting") replaced by ``bias``; override to resolve other derived values (an ffn's
+        hidden size from its multiplier)."""
+        out = self.model_dump(mode="json")
+        if "bias" in out and out["bias"] is None:
+            out["bias"] = bias
+        return out
 
 
 class NoOptions(ComponentOptions):
@@ -146,6 +180,13 @@ class AttentionKernel(nn.Module):
 
     #: Keys a KV cache must keep; ``None`` keeps everything (sliding windows set W).
     cache_window: int | None = None
+    #: The kernel computes the reference attention (:func:`llmkit.ops.reference_attention`)
+    #: and nothing else: causal softmax attention, over the last ``window`` keys when its
+    #: options have a ``window`` set, with scores soft-capped when they have a ``softcap``
+    #: set; its other options change only how (or how it trains). Kernels that set it are
+    #: interchangeable at the same window and softcap (a Hugging Face export compares them
+    #: so).
+    full_causal: ClassVar[bool] = False
 
     def __init__(self, options: ComponentOptions, ctx: BuildContext) -> None:
         super().__init__()
@@ -264,7 +305,10 @@ class QKTransform(nn.Module, ABC):
 
 class AdapterOptions(ComponentOptions):
     """Options every adapter component has (its own ``Options`` subclass this): which linear
-    layers get an adapter, and which other parameters train (and are saved) beside them."""
+    layers get an adapter, and which other parameters train (and are saved) beside them.
+    Adapters adapt base weights (:attr:`needs_base_weights`)."""
+
+    needs_base_weights: ClassVar[bool] = True
 
     targets: list[str] = Field(
         default_factory=lambda: ["attn.qkv", "attn.out_proj"],

@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import sys
 from collections.abc import Callable
-from typing import Annotated, Any
+from typing import Annotated, Any, ClassVar, Self
 
 import torch
 from pydantic import Field
@@ -197,11 +197,22 @@ class WarmupOptions(ComponentOptions):
 
     The schedule contract's facts about a run of ``max_steps`` steps, which the core asks
     instead of reading option names (``llmkit validate``, ``--max-steps``, a sweep's
-    ``branch_budgets``): :meth:`warmup` and :meth:`stable_end`. Override them where the
-    options say these otherwise.
+    ``branch_budgets``): :meth:`warmup` and :meth:`stable_end`; and how to set the warmup
+    (``--max-steps`` scales it down): :attr:`warmup_option` and :meth:`with_warmup`.
+    Override them where the options say these otherwise.
     """
 
     warmup_steps: int = Field(0, ge=0, description="Steps of linear warmup from lr/warmup_steps")
+
+    #: The option that sets the warmup, in steps (``--set schedule.<it>=N`` sets a warmup of
+    #: N steps); None where no option does (the warmup is then never scaled down).
+    warmup_option: ClassVar[str | None] = "warmup_steps"
+
+    def with_warmup(self, steps: int) -> Self:
+        """These options with a warmup of ``steps`` steps: :attr:`warmup_option` set to it."""
+        if self.warmup_option is None:
+            raise ValueError(f"{type(self).__name__} has no option that sets the warmup")
+        return self.model_copy(update={self.warmup_option: steps})
 
     def warmup(self, max_steps: int) -> int:
         """The steps of warmup in a run of ``max_steps`` steps: ``warmup_steps``."""

@@ -37,11 +37,13 @@ LAYERS: list[tuple[str, ...]] = [
     ("spec", "model"),
     ("data", "runs"),
     # The wings above, in order: what runs a model and what moves it in and out (generation,
-    # HF interop) and the plugin authors' tools; then training, which samples as it goes;
-    # then what measures trained models (evaluation, benchmarks, experiments); the CLI last.
+    # HF interop) and the plugin authors' tools; then evaluation (perplexity, downstream
+    # tasks), which the trainer's validation uses; then training, which samples as it goes;
+    # then what measures and compares trainings (benchmarks, experiments); the CLI last.
     ("inference", "interop", "testing", "scaffold"),
+    ("evaluation",),
     ("training",),
-    ("evaluation", "bench", "experiments"),
+    ("bench", "experiments"),
     ("cli",),
 ]
 LAYER = {name: i for i, names in enumerate(LAYERS) for name in names}
@@ -200,13 +202,15 @@ def _why(here: str, there: str) -> str | None:
 
 def test_the_rules_refuse_what_they_name():
     """The core never imports a component (even from a layer above), kernels only what
-    ONLY allows, and the wings of the top layers go one way: inference < training < cli."""
+    ONLY allows, and the wings of the top layers go one way:
+    inference < evaluation < training < experiments < cli."""
     assert _why("data", "components") is not None
     assert _why("cli", "components") is not None
     assert _why("components", "components") is None and _why("components", "contracts") is None
     assert _why("kernels", "model") is not None
     assert _why("training", "inference") is None and _why("inference", "training") is not None
-    assert _why("evaluation", "training") is None and _why("training", "evaluation") is not None
+    assert _why("training", "evaluation") is None and _why("evaluation", "training") is not None
+    assert _why("experiments", "training") is None and _why("training", "experiments") is not None
     assert _why("cli", "evaluation") is None and _why("experiments", "cli") is not None
 
 

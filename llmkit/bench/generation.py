@@ -212,3 +212,87 @@ def bench_generate(
             )
         )
     return out
+
+
+@dataclass
+class GenerateBench:
+    """``bench_generate`` over a run's model (or a spec's random one), with what it ran on."""
+
+    name: str
+    device: str
+    threads: int
+    params: int
+    quantize: str | None  # the method that ran (``auto`` resolved)
+    quantize_backend: str | None
+    supports_kv_cache: bool
+    rows: list[GenerateTiming]
+
+    def meta(self) -> dict[str, object]:
+        return {
+            "model": self.name,
+            "device": self.device,
+            "threads": self.threads,
+            "quantize": self.quantize,
+            "quantize_backend": self.quantize_backend,
+            "params": self.params,
+        }
+
+
+def bench_generate_source(
+    source: str | Path,
+    *,
+    overrides: list[str] | None = None,
+    weights: str = "final",
+    device: torch.device,
+    quantize: str | None = None,
+    batch_sizes: tuple[int, ...] = (1, 8),
+    prompt_len: int = 128,
+    new_tokens: int = 128,
+    repeats: int = 3,
+) -> GenerateBench:
+    """Time generation of a run's (or checkpoint's) ``weights``, or of a spec file's shape
+    with random weights (``overrides`` apply to a spec file only), optionally quantized."""
+    from llmkit.errors import LlmkitError
+    from llmkit.inference import prepare_for_decoding
+
+    path = Path(source)
+    if path.is_file():  # a spec file: random weights of that shape
+        from llmkit.model import build_model
+        from llmkit.spec import load_spec
+
+        rs = load_spec(path, overrides or [])
+        torch.manual_seed(0)
+        model, name = build_model(rs).to(device).eval(), rs.spec.name or path.stem
+    else:
+        from llmkit.runs import load_run
+
+        if overrides:
+            raise LlmkitError("--set applies to a spec file, not a run directory")
+        model, name = load_run(path, which=weights, device=str(device)).model, str(path)
+    params = model.num_params()
+    if quantize:
+        from llmkit.inference.quantize import quantize_model
+
+        try:
+            model = quantize_model(model, quantize)
+        except ValueError as exc:
+            raise LlmkitError(str(exc)) from exc
+    prepare_for_decoding(model)
+    rows = bench_generate(
+        model,
+        batch_sizes=batch_sizes,
+        prompt_len=prompt_len,
+        new_tokens=new_tokens,
+        repeats=repeats,
+    )
+    info = getattr(model, "quantization", None)
+    return GenerateBench(
+        name=name,
+        device=str(device),
+        threads=torch.get_num_threads(),
+        params=params,
+        quantize=info.method if info is not None else None,
+        quantize_backend=info.backend if info is not None else None,
+        supports_kv_cache=model.supports_kv_cache,
+        rows=rows,
+    )

@@ -15,8 +15,8 @@ import torch
 
 from llmkit import hardware
 from llmkit.model import Transformer, build_model
+from llmkit.model.objective import Objective
 from llmkit.spec import ResolvedSpec
-from llmkit.training.objective import Objective
 from llmkit.training.step import TrainStep, resolve_precision
 from llmkit.training.strategy import ParallelStrategy
 

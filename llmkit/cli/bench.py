@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from llmkit.cli.common import (
@@ -16,7 +15,6 @@ from llmkit.cli.common import (
     at_least,
     console,
     human_bytes,
-    load,
     table,
     write,
 )
@@ -81,29 +79,11 @@ def _batch_sizes(text: str) -> tuple[int, ...]:
     return sizes
 
 
-def _model(args: argparse.Namespace, device: Any) -> tuple[Any, str]:
-    """The model to time and its name: a run's weights, or a spec file's random weights."""
-    import torch
-
-    path = Path(args.run)
-    if path.is_file():  # a spec file: random weights of that shape
-        from llmkit.model import build_model
-
-        rs = load(args.run, args.set)
-        torch.manual_seed(0)
-        return build_model(rs).to(device).eval(), rs.spec.name or path.stem
-    from llmkit.runs import load_run
-
-    if args.set:
-        raise LlmkitError("--set applies to a spec file, not a run directory")
-    return load_run(args.run, which=args.weights, device=str(device)).model, str(path)
-
-
 def run_generate(args: argparse.Namespace) -> int:
     import torch
 
     from llmkit import hardware
-    from llmkit.bench.generation import bench_generate
+    from llmkit.bench.generation import bench_generate_source
 
     sizes = _batch_sizes(args.batch_sizes)
     if args.new_tokens < 2 or args.prompt_len < 1 or args.repeats < 1:
@@ -111,35 +91,19 @@ def run_generate(args: argparse.Namespace) -> int:
     device = hardware.choose_device(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
-    model, name = _model(args, device)
-    params = model.num_params()
-    if args.quantize:
-        from llmkit.inference.quantize import quantize_model
-
-        try:
-            model = quantize_model(model, args.quantize)
-        except ValueError as exc:
-            raise LlmkitError(str(exc)) from exc
-    from llmkit.inference import prepare_for_decoding
-
-    prepare_for_decoding(model)
-    rows = bench_generate(
-        model,
+    res = bench_generate_source(
+        args.run,
+        overrides=args.set,
+        weights=args.weights,
+        device=device,
+        quantize=args.quantize,
         batch_sizes=sizes,
         prompt_len=args.prompt_len,
         new_tokens=args.new_tokens,
         repeats=args.repeats,
     )
-    info = getattr(model, "quantization", None)
-    method = f"{info.method} ({info.backend})" if info is not None else None
-    meta = {
-        "model": name,
-        "device": str(device),
-        "threads": torch.get_num_threads(),
-        "quantize": info.method if info is not None else None,  # auto resolved
-        "quantize_backend": info.backend if info is not None else None,
-        "params": params,
-    }
+    rows, name, meta = res.rows, res.name, res.meta()
+    method = f"{res.quantize} ({res.quantize_backend})" if res.quantize else None
     if args.json:
         write(json.dumps({**meta, "results": [r.as_dict() for r in rows]}) + "\n")
         return 0
@@ -147,7 +111,7 @@ def run_generate(args: argparse.Namespace) -> int:
     con.print(
         f"{name}: {meta['params']:,} parameters on {device} ({meta['threads']} threads)"
         + (f", {method}" if method else "")
-        + ("" if model.supports_kv_cache else ", no KV cache (full forward per token)")
+        + ("" if res.supports_kv_cache else ", no KV cache (full forward per token)")
         + f"; prompts of {rows[0].prompt_len} tokens, {args.new_tokens} new tokens",
         markup=False,
     )
@@ -222,7 +186,7 @@ def configure_kernels(p: argparse.ArgumentParser) -> None:
 
 
 def run_kernels(args: argparse.Namespace) -> int:
-    from llmkit.bench.kernels import run_cli
+    from llmkit.cli.bench_kernels import run_cli
     from llmkit.registry import get_registry
 
     try:

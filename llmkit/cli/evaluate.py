@@ -83,47 +83,6 @@ def configure_eval(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _tokens(run: Any, data: str | None) -> tuple[Any, int | None, int | None, str]:
-    """The tokens to evaluate on, their text's size in bytes and words, and where they came
-    from:
-    ``data`` (a text file), or the run's validation split — its token file itself when only
-    some tokens are trained (chat data: the assistant's) or rows are padded, whose bytes
-    then mean nothing per token (None)."""
-    import torch
-
-    if data is None:
-        from llmkit.data import prepare_data
-
-        prepared = prepare_data(run.spec, run.run_dir, run.tokenizer, log=lambda _m: None)
-        val = prepared.validation
-        if val.has_mask or val.layout != "packed":
-            return val, None, None, "validation split (trained tokens)"
-        tokens = torch.from_numpy(val.array.astype("int64"))
-        return tokens, val.n_bytes_text, None, "validation split"
-    from pathlib import Path
-
-    from llmkit.files import read_utf8
-
-    path = Path(data)
-    if path.is_dir():
-        raise LlmkitError(f"--data: {path} is a directory; expected a text file")
-    if not path.is_file():
-        raise LlmkitError(f"--data: file not found: {path}")
-    text = read_utf8(path)
-    if not text:
-        raise LlmkitError(f"--data: {path} is empty")
-    ids = run.tokenizer.encode(text)
-    note = run.tokenizer.unknown_note(ids, str(path))
-    if note:
-        import logging
-
-        logging.getLogger("llmkit").info(f"--data: {note}")
-    tokens = torch.tensor(ids, dtype=torch.long)
-    if tokens.numel() < 2:
-        raise LlmkitError(f"--data: {path} has fewer than 2 tokens")
-    return tokens, len(text.encode("utf-8")), len(text.split()), str(path)
-
-
 def run_eval(args: argparse.Namespace) -> int:
     from llmkit import hardware
     from llmkit.runs import load_run
@@ -144,11 +103,9 @@ def run_eval(args: argparse.Namespace) -> int:
 
 
 def _perplexity(con: Any, run: Any, args: argparse.Namespace, device: Any) -> dict[str, Any]:
-    import torch
+    from pathlib import Path
 
-    from llmkit.data import eval_batches, eval_rows
-    from llmkit.training import Objective
-    from llmkit.training.evaluate import evaluate_batches, sliding_batches
+    from llmkit.evaluation.perplexity import file_text, run_perplexity, validation_text
 
     block = run.spec.spec.data.block_size or run.spec.model.max_seq_len
     context = args.context or block
@@ -160,26 +117,26 @@ def _perplexity(con: Any, run: Any, args: argparse.Namespace, device: Any) -> di
     stride = args.stride or context
     if stride > context:
         raise LlmkitError(f"--stride {stride} is longer than the context ({context})")
-    tokens, text_bytes, words, source = _tokens(run, args.data)
-    objective = Objective.from_spec(run.spec)  # what the run trained on (val_loss)
-    if not isinstance(tokens, torch.Tensor) and (args.context or args.stride):
+    text = validation_text(run) if args.data is None else file_text(run, Path(args.data))
+    if not text.is_text and (args.context or args.stride):
         raise LlmkitError(
             "--context and --stride apply to text (--data, or a packed validation split)"
         )
 
     def evaluate(model: Any) -> Any:
-        if isinstance(tokens, torch.Tensor):
-            batches = sliding_batches(tokens, context, stride, args.batch_size)
-        else:  # every row holding a trained token, once
-            rows = len(eval_rows(tokens, block))
-            batches = eval_batches(tokens, block, args.batch_size, -(-rows // args.batch_size))
-        res = evaluate_batches(model, batches, device, objective=objective)
-        res.text_bytes, res.words = text_bytes, words
-        return res
+        return run_perplexity(
+            run,
+            text,
+            model,
+            context=context,
+            stride=stride,
+            batch_size=args.batch_size,
+            device=device,
+        )
 
     res = evaluate(run.model)
     windows = f", windows of {context} moving by {stride}" if stride != context else ""
-    con.print(f"{run.weights} on {source}: {res.tokens:,} tokens{windows}", markup=False)
+    con.print(f"{run.weights} on {text.source}: {res.tokens:,} tokens{windows}", markup=False)
     if res.cross_entropy is not None:
         name = run.spec.components["train.loss"].name
         con.print(f"objective ({name}) {res.loss:.4f} per token", markup=False)
@@ -250,37 +207,22 @@ def _run_tasks(
 def _compare_quantized(
     con: Any, run: Any, res: Any, evaluate: Callable[[Any], Any], method: str
 ) -> dict[str, Any]:
-    """Evaluate the ``method``-quantized model, print both side by side; the report's
-    additions (``weight_bytes`` and the quantized results under ``method``)."""
-    from llmkit.inference.quantize import BF16Linear, quantize_model, weight_bytes
+    """Print the run's and its ``method``-quantized copy's figures side by side; the report's
+    additions."""
+    from llmkit.evaluation.quantized import compare_quantized
 
-    try:
-        qmodel = quantize_model(run.model, method)
-    except ValueError as exc:
-        raise LlmkitError(str(exc)) from exc
-    qres = evaluate(qmodel)
-    base_bytes, q_bytes = weight_bytes(run.model), weight_bytes(qmodel)
-    dtype = str(next(run.model.parameters()).dtype).removeprefix("torch.")
-    info = qmodel.quantization
+    cmp = compare_quantized(run.model, res, evaluate, method)
     out = table("weights", "bytes", "loss", "perplexity", "bits/byte")
-    for name, nbytes, r in ((dtype, base_bytes, res), (method, q_bytes, qres)):
+    rows = ((cmp.dtype, cmp.base_bytes, cmp.base), (method, cmp.quantized_bytes, cmp.quantized))
+    for name, nbytes, r in rows:
         bpb = f"{r.bits_per_byte:.4f}" if r.bits_per_byte is not None else "-"
         out.add_row(name, human_bytes(nbytes), f"{r.loss:.4f}", f"{r.ppl:.3f}", bpb)
     con.print(out)
-    twice = any(isinstance(m, BF16Linear) and m.packed for m in qmodel.modules())
     note = "; the bf16 layers hold their weights twice, plain and packed for oneDNN"
     con.print(
-        f"{method} ({info.backend}, {info.linears} linear layers): weights "
-        f"{base_bytes / max(q_bytes, 1):.2f}× smaller, loss {qres.loss - res.loss:+.5f} "
-        f"nats/token, perplexity {100 * (qres.ppl / res.ppl - 1):+.2f}%" + (note if twice else ""),
+        f"{method} ({cmp.backend}, {cmp.linear_layers} linear layers): weights "
+        f"{cmp.shrink:.2f}× smaller, loss {cmp.loss_change:+.5f} nats/token, perplexity "
+        f"{cmp.perplexity_change:+.2f}%" + (note if cmp.packed_twice else ""),
         markup=False,
     )
-    return {
-        "weight_bytes": base_bytes,
-        method: {
-            **qres.as_dict(),
-            "weight_bytes": q_bytes,
-            "backend": info.backend,
-            "linear_layers": info.linears,
-        },
-    }
+    return cmp.as_dict()

@@ -1,12 +1,14 @@
-"""Evaluation beyond perplexity: downstream tasks scored by log-likelihood, and the
+"""Evaluation: loss and perplexity, downstream tasks scored by log-likelihood, and the
 lm-eval-harness adapter.
 
-Modules: :mod:`~llmkit.evaluation.loglik` (scoring (context, continuation) pairs, batched,
-through the KV cache where contexts are shared), :mod:`~llmkit.evaluation.tasks` (task specs,
-the built-in formats, few-shot prompts), :mod:`~llmkit.evaluation.runner` (metrics, standard
-errors, results in the run directory) and :mod:`~llmkit.evaluation.harness` (lm-eval-harness's
-``LM`` over an llmkit run; needs the ``lm-eval`` extra). Perplexity itself (per token, per
-byte, sliding windows) is :mod:`llmkit.training.evaluate`'s.
+Modules: :mod:`~llmkit.evaluation.perplexity` (the objective, perplexity per token, byte and
+word, whole text or sliding windows; the trainer's validation uses it),
+:mod:`~llmkit.evaluation.quantized` (a run against its quantized copy),
+:mod:`~llmkit.evaluation.loglik` (scoring (context, continuation) pairs, batched, through the
+KV cache where contexts are shared), :mod:`~llmkit.evaluation.tasks` (task specs, the
+built-in formats, few-shot prompts), :mod:`~llmkit.evaluation.runner` (metrics, standard
+errors, results in the run directory) and :mod:`~llmkit.evaluation.harness`
+(lm-eval-harness's ``LM`` over an llmkit run; needs the ``lm-eval`` extra).
 
 The Python API::
 
@@ -20,6 +22,18 @@ The Python API::
 """
 
 from llmkit.evaluation.loglik import Loglik, LoglikScorer, TokenRequest
+from llmkit.evaluation.perplexity import (
+    EvalResult,
+    EvalText,
+    evaluate_batches,
+    file_text,
+    full_text_batches,
+    run_perplexity,
+    sliding_batches,
+    sliding_windows,
+    validation_text,
+)
+from llmkit.evaluation.quantized import QuantizedComparison, compare_quantized
 from llmkit.evaluation.runner import (
     EVAL_DIR,
     ItemScore,
@@ -34,18 +48,29 @@ from llmkit.evaluation.tasks import BUILTIN, Item, Task, TaskSpec, load_task, re
 __all__ = [
     "BUILTIN",
     "EVAL_DIR",
+    "EvalResult",
+    "EvalText",
     "Item",
     "ItemScore",
     "Loglik",
     "LoglikScorer",
+    "QuantizedComparison",
     "Task",
     "TaskResult",
     "TaskSpec",
     "TokenRequest",
+    "compare_quantized",
+    "evaluate_batches",
     "evaluate_task",
+    "file_text",
+    "full_text_batches",
     "load_task",
     "read_jsonl",
+    "run_perplexity",
     "save_result",
     "score_items",
+    "sliding_batches",
+    "sliding_windows",
     "task_metrics",
+    "validation_text",
 ]

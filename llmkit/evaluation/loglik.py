@@ -116,7 +116,7 @@ class LoglikScorer:
         document start (the prefix token) in sliding windows of ``max_length`` that move by
         ``stride`` tokens (default ``max_length``: disjoint windows, lm-eval-harness's
         ``loglikelihood_rolling``); ``greedy`` says whether greedy decoding reproduces it."""
-        from llmkit.training.evaluate import sliding_batches
+        from llmkit.evaluation.perplexity import sliding_batches
 
         ids = self.tokenizer.encode(text) if isinstance(text, str) else [int(i) for i in text]
         if not ids:

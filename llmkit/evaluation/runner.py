@@ -199,7 +199,7 @@ def weights_step(weights: Path, run_dir: Path) -> int:
         except (ValueError, KeyError, TypeError):
             pass
     from llmkit.runs import METRICS_FILE
-    from llmkit.training.metrics import MetricsLog
+    from llmkit.runs.metrics import MetricsLog
 
     steps = [r["step"] for r in MetricsLog(run_dir / METRICS_FILE).read() if "step" in r]
     return max((int(s) for s in steps if isinstance(s, int | float)), default=0)
@@ -209,7 +209,7 @@ def log_results(rs: Any, run_dir: Path, results: Sequence[TaskResult], step: int
     """One record per task, at the weights' ``step``, through the run's log: its
     ``metrics.jsonl`` and the loggers its spec names (``train.loggers``). A record holds
     ``eval`` (the task's name), ``<task>/<metric>`` values, items and shots."""
-    from llmkit.training.metrics import RunLog
+    from llmkit.runs.metrics import RunLog
 
     log = RunLog.for_run(rs, run_dir)
     try:

@@ -76,7 +76,7 @@ def summarize(path: Path, label: str | None = None) -> RunSummary:
     """A run's resolved spec (flattened) and metrics."""
     from llmkit.errors import SpecError
     from llmkit.runs import METRICS_FILE, open_run
-    from llmkit.training.metrics import MetricsLog
+    from llmkit.runs.metrics import MetricsLog
 
     run = open_run(path)
     try:

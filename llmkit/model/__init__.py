@@ -4,7 +4,9 @@
 - :mod:`.attention`: the attention *module* (projections, q/k transform, positional hooks,
   KV cache) around the registered attention *kernel*;
 - :mod:`.cache`: :class:`KVCache` and its per-layer :class:`LayerCache` buffers;
-- :mod:`.accounting`: parameters, FLOPs, KV-cache bytes and training memory.
+- :mod:`.accounting`: parameters, FLOPs, KV-cache bytes and training memory;
+- :mod:`.objective`: :class:`Objective`, the model's cross-entropy or the spec's ``loss``
+  component: what training minimizes and what evaluation reports as the loss.
 
 Blocks are components of the ``block`` kind (``llmkit/components/block/``) following
 :mod:`llmkit.contracts`.
@@ -13,6 +15,7 @@ Blocks are components of the ``block`` kind (``llmkit/components/block/``) follo
 from llmkit.contracts import AttentionInputs, Block, BlockParts, QKTransform
 from llmkit.model.attention import Attention
 from llmkit.model.cache import KVCache, LayerCache
+from llmkit.model.objective import Objective, ObjectiveOutput
 from llmkit.model.transformer import (
     ModelOutput,
     Transformer,
@@ -30,6 +33,8 @@ __all__ = [
     "KVCache",
     "LayerCache",
     "ModelOutput",
+    "Objective",
+    "ObjectiveOutput",
     "QKTransform",
     "Transformer",
     "build",

@@ -10,6 +10,9 @@ Layout of ``<run>/``::
     model.safetensors  the final weights
     checkpoints/       see :mod:`llmkit.runs.checkpoints`
 
+:mod:`llmkit.runs.metrics` writes ``metrics.jsonl`` (and the trackers a spec names) and
+draws ``loss.png``.
+
 :func:`open_run` finds a run from its directory or one of its checkpoints and reads its spec;
 everything that reads a run back — resuming training, generation, evaluation, benchmarks —
 goes through it (:func:`load_run` adds the model's weights and the tokenizer).

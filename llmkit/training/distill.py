@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from llmkit.errors import LlmkitError
-from llmkit.training.objective import Objective, ObjectiveOutput
+from llmkit.model.objective import Objective, ObjectiveOutput
 
 #: Where the distillation parts appear (``metric/distill.kl``, ``metric/distill.hard``).
 DISTILL_PREFIX = "distill"

@@ -27,9 +27,9 @@ import torch
 from torch import Tensor, nn
 
 from llmkit import hardware
+from llmkit.model.objective import Objective
 from llmkit.optim import set_lr_factor
 from llmkit.spec import ResolvedSpec
-from llmkit.training.objective import Objective
 from llmkit.training.strategy import ParallelStrategy
 
 #: The target id that trains nothing (``ignore_index`` of the cross-entropy).

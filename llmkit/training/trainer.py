@@ -19,6 +19,7 @@ from torch import nn
 from llmkit import hardware
 from llmkit.data.store import PEAKS_FILE, store_root
 from llmkit.errors import LlmkitError
+from llmkit.model.objective import Objective
 from llmkit.runs import (
     ADAPTER_SECTION,
     PLOT_FILE,
@@ -29,15 +30,14 @@ from llmkit.runs import (
     build_run_model,
     save_spec,
 )
+from llmkit.runs import metrics as metrics_mod
 from llmkit.runs.checkpoints import Checkpoints, rng_state, save_weights
 from llmkit.runs.init_from import InitSource, find_init_source
 from llmkit.runs.lock import RunInUse, RunLock
+from llmkit.runs.metrics import RunLog
 from llmkit.spec import ResolvedSpec
-from llmkit.training import metrics as metrics_mod
 from llmkit.training import resume
 from llmkit.training.distill import Distillation, load_teacher, teacher_tokenizer
-from llmkit.training.metrics import RunLog
-from llmkit.training.objective import Objective
 from llmkit.training.progress import ProgressDisplay, StopSignals
 from llmkit.training.step import StepResult, TrainStep, resolve_precision
 from llmkit.training.strategy import ParallelStrategy
@@ -523,7 +523,7 @@ class Trainer:
         (batches of batch_size × world_size blocks), each batch's rows dealt out to the
         ranks, the token-weighted sums added."""
         from llmkit.data import eval_batches
-        from llmkit.training.evaluate import evaluate_batches
+        from llmkit.evaluation.perplexity import evaluate_batches
 
         t, strategy = self.t, self.strategy
         batches = eval_batches(

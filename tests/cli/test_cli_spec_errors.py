@@ -118,10 +118,10 @@ def test_max_steps_below_the_warmup_scales_it_with_a_note(monkeypatch, caplog, s
 
 
 def test_eval_data_that_is_a_directory_says_so(tmp_path):
-    from llmkit.cli.evaluate import _tokens
+    from llmkit.evaluation.perplexity import file_text
 
     with pytest.raises(LlmkitError) as err:
-        _tokens(SimpleNamespace(), str(tmp_path))
+        file_text(SimpleNamespace(), tmp_path)
     assert str(err.value) == f"--data: {tmp_path} is a directory; expected a text file"
 
 
@@ -133,13 +133,13 @@ def char_tokenizer():
 
 
 def test_eval_says_how_many_characters_were_unknown(tmp_path, caplog, char_tokenizer):
-    from llmkit.cli.evaluate import _tokens
+    from llmkit.evaluation.perplexity import file_text
 
     text = tmp_path / "text.txt"
     text.write_text("héllo wörld ZZ")
     with caplog.at_level(logging.INFO, logger="llmkit"):
-        tokens, _, _, _ = _tokens(SimpleNamespace(tokenizer=char_tokenizer), str(text))
-    assert tokens.numel() == 14
+        got = file_text(SimpleNamespace(tokenizer=char_tokenizer), text)
+    assert got.tokens.numel() == 14 and got.is_text
     assert caplog.messages == [
         f"--data: 4 characters of {text} are not in the tokenizer's vocabulary and became <unk>"
     ]

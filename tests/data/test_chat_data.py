@@ -462,8 +462,8 @@ def test_eval_batches_with_masks_are_fixed_and_masked() -> None:
 
 
 def test_masked_evaluation_counts_only_trained_targets(tmp_path: Path) -> None:
+    from llmkit.evaluation.perplexity import evaluate_batches
     from llmkit.model import build_model
-    from llmkit.training.evaluate import evaluate_batches
 
     data = prepare_data(chat_rs(tmp_path, template="chatml"), tmp_path / "run", log=quiet)
     spec = tiny_spec(vocab_size=data.tokenizer.vocab_size, max_seq_len=16)

@@ -11,9 +11,9 @@ import torch.nn.functional as F
 
 from llmkit.data.tokenizer import train_char
 from llmkit.evaluation import LoglikScorer, TokenRequest
+from llmkit.evaluation.perplexity import evaluate_batches, sliding_batches
 from llmkit.model import build_model
 from llmkit.spec import load_spec_dict
-from llmkit.training.evaluate import evaluate_batches, sliding_batches
 from tests.helpers import tiny_spec
 
 TEXT = "the quick brown fox jumps over the lazy dog. "

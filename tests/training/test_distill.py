@@ -14,10 +14,10 @@ import yaml
 from llmkit.cli import main
 from llmkit.errors import LlmkitError
 from llmkit.model import build_model
+from llmkit.model.objective import Objective
 from llmkit.spec import load_spec_dict
 from llmkit.training import train
 from llmkit.training.distill import Distillation, distillation_kl
-from llmkit.training.objective import Objective
 from tests.helpers import tiny_spec, write_train_spec
 from tests.training.kill_resume import losses, read_metrics, train_killed_and_resumed, val_losses
 

@@ -294,7 +294,7 @@ def test_non_finite_weights_on_a_checkpoint_step_are_never_saved(tmp_path, monke
 
 
 def test_metrics_stay_strict_json(tmp_path):
-    from llmkit.training.metrics import MetricsLog
+    from llmkit.runs.metrics import MetricsLog
 
     log = MetricsLog(tmp_path / "metrics.jsonl")
     log.write({"step": 1, "loss": float("nan"), "grad_norm": math.inf})

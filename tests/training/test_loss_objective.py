@@ -11,9 +11,11 @@ import torch
 import torch.nn.functional as F
 
 from llmkit.errors import SpecError
+from llmkit.evaluation.perplexity import evaluate_batches
+from llmkit.model import Objective
 from llmkit.registry import get_registry, reset_registry
 from llmkit.spec import load_spec
-from llmkit.training import Objective, evaluate_batches, train
+from llmkit.training import train
 from tests.helpers import write_train_spec
 from tests.training.kill_resume import losses, read_metrics, train_killed_and_resumed, val_losses
 

@@ -14,8 +14,8 @@ import torch
 
 from llmkit import hardware
 from llmkit.model import build_model
+from llmkit.model.objective import Objective, ObjectiveOutput
 from llmkit.spec import load_spec_dict
-from llmkit.training.objective import Objective, ObjectiveOutput
 from llmkit.training.step import StepResult, TrainStep, resolve_precision, skips_on_device
 from tests.helpers import tiny_spec
 
@@ -74,7 +74,7 @@ def test_a_step_without_trained_targets_is_not_applied(model):
 
 
 def test_metrics_are_the_micro_batches_mean(model, monkeypatch):
-    from llmkit.training.objective import Objective, ObjectiveOutput
+    from llmkit.model.objective import Objective, ObjectiveOutput
 
     values, real = iter([1.0, 3.0]), Objective.__call__
 
@@ -91,7 +91,7 @@ def test_metrics_are_the_micro_batches_mean(model, monkeypatch):
 def test_a_non_finite_loss_is_reported_under_the_fp16_grad_scaler(model):
     # The scaler skips updates whose gradients overflow; a non-finite *loss* must still reach
     # the trainer (train.on_nonfinite), and the scaler must stay usable for the next step.
-    from llmkit.training.objective import Objective, ObjectiveOutput
+    from llmkit.model.objective import Objective, ObjectiveOutput
 
     class Poisoned(Objective):
         poison = True

@@ -64,7 +64,7 @@ def test_training_writes_the_run_directory(tmp_path):
 
 
 def test_plot_false_draws_no_loss_curve(tmp_path, monkeypatch):
-    import llmkit.training.metrics as train_module
+    import llmkit.runs.metrics as train_module
 
     monkeypatch.setattr(train_module, "PLOT_EVERY_S", 0.0)
     monkeypatch.setattr(train_module, "plot_losses", lambda *a: pytest.fail("plotted"))
@@ -75,7 +75,7 @@ def test_plot_false_draws_no_loss_curve(tmp_path, monkeypatch):
 
 
 def test_loss_curve_is_drawn_during_training_at_most_every_plot_interval(tmp_path, monkeypatch):
-    import llmkit.training.metrics as train_module
+    import llmkit.runs.metrics as train_module
 
     drawn: list[int] = []
     real = train_module.plot_losses
@@ -308,7 +308,7 @@ def test_skip_mode_skips_non_finite_steps(tmp_path, monkeypatch):
 def _poison_training_calls(monkeypatch, *calls: int) -> dict[str, int]:
     """Make the objective's loss NaN on the given training forwards (1-based; evaluation's
     forwards, without gradients, are not counted). Returns the running count."""
-    from llmkit.training.objective import Objective, ObjectiveOutput
+    from llmkit.model.objective import Objective, ObjectiveOutput
 
     count = {"n": 0}
     real = Objective.__call__

@@ -56,8 +56,9 @@ What each record holds (:func:`bench_kernels` returns a list of dicts):
 Modules: :mod:`~llmkit.bench.kernels.timing` (time, peak memory, devices and dtypes),
 :mod:`~llmkit.bench.kernels.flops` (work formulas), :mod:`~llmkit.bench.kernels.entries` (what
 is benchmarked), :mod:`~llmkit.bench.kernels.adapters` (per kind),
-:mod:`~llmkit.bench.kernels.runner` (the sweep, ratios), :mod:`~llmkit.bench.kernels.report`
-(JSON, plots, tables) and :mod:`~llmkit.bench.kernels.command` (``run_cli``).
+:mod:`~llmkit.bench.kernels.runner` (the sweep, ratios) and
+:mod:`~llmkit.bench.kernels.report` (JSON, plots, tables). The command that reads flags and
+prints is ``llmkit bench kernels`` (:mod:`llmkit.cli.bench_kernels`).
 """
 
 from llmkit.bench.kernels.adapters import (
@@ -81,7 +82,6 @@ from llmkit.bench.kernels.adapters import (
     prepare_attention,
     prepare_tokens,
 )
-from llmkit.bench.kernels.command import run_cli
 from llmkit.bench.kernels.entries import Entry, Prepared, Unsupported, build, entries
 from llmkit.bench.kernels.flops import (
     ATTENTION_FLOPS,
@@ -165,7 +165,6 @@ __all__ = [
     "prepare_attention",
     "prepare_tokens",
     "rich_table",
-    "run_cli",
     "table_rows",
     "time_step",
     "write_json",

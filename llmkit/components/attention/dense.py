@@ -9,6 +9,8 @@ which every other kernel is tested against.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 from pydantic import Field
 from torch import Tensor
 
@@ -35,11 +37,14 @@ class DenseAttentionOptions(ComponentOptions):
         "(Gemma 2's attention logit soft-capping).",
     )
 
+    training_only: ClassVar[frozenset[str]] = frozenset({"dropout"})
+
 
 class DenseAttention(AttentionKernel):
     """Explicit softmax attention (Vaswani et al. 2017), the reference every kernel must match."""
 
     Options = DenseAttentionOptions
+    full_causal = True
 
     def __init__(self, options: DenseAttentionOptions, ctx: BuildContext) -> None:
         super().__init__(options, ctx)

@@ -22,6 +22,7 @@ class FlashAttention(AttentionKernel):
     """Fused flash-attention Triton kernel (FlashAttention-2, Dao 2023); exact, no dropout."""
 
     Options = NoOptions
+    full_causal = True
 
     @classmethod
     def runtime_backend(cls) -> str:

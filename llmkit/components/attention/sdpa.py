@@ -13,6 +13,8 @@ faster in fp32 than in bf16.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 from pydantic import Field
 from torch import Tensor
@@ -48,11 +50,14 @@ class SDPAttentionOptions(ComponentOptions):
         0.0, ge=0.0, lt=1.0, description="Dropout on attention probabilities (training only)."
     )
 
+    training_only: ClassVar[frozenset[str]] = frozenset({"dropout"})
+
 
 class SDPAttention(AttentionKernel):
     """PyTorch fused scaled dot-product attention (FlashAttention, Dao et al. 2022, and kin)."""
 
     Options = SDPAttentionOptions
+    full_causal = True
 
     def __init__(self, options: SDPAttentionOptions, ctx: BuildContext) -> None:
         super().__init__(options, ctx)

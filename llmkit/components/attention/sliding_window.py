@@ -14,6 +14,8 @@ function is also the kernels' test reference.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 from pydantic import Field
 from torch import Tensor
 
@@ -43,6 +45,8 @@ class SlidingWindowOptions(ComponentOptions):
     dropout: float = Field(
         0.0, ge=0.0, lt=1.0, description="Dropout on attention probabilities (training only)."
     )
+
+    training_only: ClassVar[frozenset[str]] = frozenset({"dropout"})
 
 
 def sliding_window_attention(
@@ -97,6 +101,7 @@ class SlidingWindowAttention(AttentionKernel):
     """
 
     Options = SlidingWindowOptions
+    full_causal = True
 
     def __init__(self, options: SlidingWindowOptions, ctx: BuildContext) -> None:
         super().__init__(options, ctx)

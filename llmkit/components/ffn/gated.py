@@ -9,15 +9,20 @@ projections and forward pass that ``swiglu`` and ``geglu`` share.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import ClassVar
 
 from pydantic import Field
 from torch import Tensor, nn
 
-from llmkit.contracts import BuildContext, ComponentOptions, ffn_hidden
+from llmkit.components.ffn.width import HiddenWidth
+from llmkit.contracts import BuildContext, ComponentOptions
 
 
-class GatedFFNOptions(ComponentOptions):
-    """Options shared by the gated feed-forward blocks."""
+class GatedFFNOptions(HiddenWidth, ComponentOptions):
+    """Options shared by the gated feed-forward blocks (their size: :class:`HiddenWidth`,
+    three matrices)."""
+
+    matrices: ClassVar[int] = 3
 
     hidden: int | None = Field(
         None, ge=1, description="Hidden size; when unset, multiplier·d_model rounded up."
@@ -45,8 +50,8 @@ class GatedFFN(nn.Module, ABC):
         super().__init__()
         self.options = options
         d = ctx.features
-        hidden = ffn_hidden(d, options.hidden, options.multiplier, options.multiple_of)
-        bias = ctx.bias if options.bias is None else options.bias
+        hidden = options.hidden_size(d)
+        bias = options.has_bias(ctx.bias)
         self.gate_proj = nn.Linear(d, hidden, bias=bias)
         self.up_proj = nn.Linear(d, hidden, bias=bias)
         self.out_proj = nn.Linear(hidden, d, bias=bias)

@@ -16,7 +16,8 @@ from pydantic import Field
 from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
-from llmkit.contracts import BuildContext, ComponentOptions, ffn_hidden
+from llmkit.components.ffn.width import HiddenWidth
+from llmkit.contracts import BuildContext, ComponentOptions
 
 Activation = Literal["gelu", "gelu_tanh", "relu", "relu2", "silu"]
 
@@ -57,8 +58,8 @@ ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
 }
 
 
-class MLPOptions(ComponentOptions):
-    """Options of the two-layer MLP."""
+class MLPOptions(HiddenWidth, ComponentOptions):
+    """Options of the two-layer MLP (its size: :class:`HiddenWidth`, two matrices)."""
 
     activation: Activation = Field(
         "gelu",
@@ -88,8 +89,8 @@ class MLP(nn.Module):
         super().__init__()
         self.options = options
         d = ctx.features
-        hidden = ffn_hidden(d, options.hidden, options.multiplier, options.multiple_of)
-        bias = ctx.bias if options.bias is None else options.bias
+        hidden = options.hidden_size(d)
+        bias = options.has_bias(ctx.bias)
         self.in_proj = nn.Linear(d, hidden, bias=bias)
         self.out_proj = nn.Linear(hidden, d, bias=bias)
         self.act = ACTIVATIONS[options.activation]

@@ -68,7 +68,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
@@ -78,7 +78,7 @@ from torch import Tensor, nn
 from llmkit.components.ffn.geglu import GeGLU, GeGLUOptions
 from llmkit.components.ffn.mlp import ACTIVATIONS, MLP, MLPOptions
 from llmkit.components.ffn.swiglu import SwiGLU, SwiGLUOptions
-from llmkit.contracts import BuildContext, ComponentOptions, SideOutputs, ffn_hidden
+from llmkit.contracts import BuildContext, ComponentOptions, SideOutputs
 
 # -- options ----------------------------------------------------------------------------------
 
@@ -109,6 +109,8 @@ EXPERT_BLOCKS: dict[str, type[nn.Module]] = {"mlp": MLP, "swiglu": SwiGLU, "gegl
 
 class MoEOptions(ComponentOptions):
     """Options of the mixture-of-experts block."""
+
+    training_only: ClassVar[frozenset[str]] = frozenset({"load_balance_coef", "z_loss_coef"})
 
     num_experts: int = Field(8, ge=1, description="Routed experts E.")
     top_k: int = Field(2, ge=1, description="Experts each token is sent to (k ≤ E).")
@@ -250,6 +252,33 @@ class MoEOptions(ComponentOptions):
             )
         return self
 
+    def shared_width(self, d_model: int) -> int:
+        """The hidden size of the shared block (0 without shared experts)."""
+        if not self.shared_experts:
+            return 0
+        return self.shared_hidden or self.shared_experts * self.expert.hidden_size(d_model)
+
+    def parameter_count(self, d_model: int, bias: bool) -> int:
+        """The router, ``num_experts`` experts, the shared block and its gate."""
+        e, E = self.expert, self.num_experts
+        total = E * e.parameter_count(d_model, bias) + d_model * E
+        total += E if self.router_bias else 0
+        if self.shared_experts:
+            shared = e.model_copy(update={"hidden": self.shared_width(d_model)})
+            total += shared.parameter_count(d_model, bias)
+            total += d_model if self.shared_expert_gate else 0
+        return total
+
+    def effective(self, d_model: int, bias: bool) -> dict[str, Any]:
+        """Every option, with the expert's as they take effect, the shared block's width
+        spelled out and ``renormalize`` resolved (:attr:`renormalized`)."""
+        out = self.model_dump(mode="json")
+        out["expert"] = self.expert.effective(d_model, bias)
+        if self.shared_hidden is None:
+            out["shared_hidden"] = self.shared_width(d_model)
+        out["renormalize"] = self.renormalized
+        return out
+
     @property
     def renormalized(self) -> bool:
         """Whether the chosen weights are divided by their sum (``renormalize`` resolved)."""
@@ -315,7 +344,7 @@ class MoE(SideOutputs, nn.Module):
         e = options.expert
         d = ctx.features
         self.num_experts, self.top_k = options.num_experts, options.top_k
-        self.hidden = ffn_hidden(d, e.hidden, e.multiplier, e.multiple_of)
+        self.hidden = e.hidden_size(d)
         self.gated = e.name != "mlp"
         if e.name == "mlp":
             self.act: Callable[[Tensor], Tensor] = ACTIVATIONS[e.activation]
@@ -323,7 +352,7 @@ class MoE(SideOutputs, nn.Module):
             self.act = F.silu
         else:
             self.act = functools.partial(F.gelu, approximate=e.approximate)
-        bias = ctx.bias if e.bias is None else e.bias
+        bias = e.has_bias(ctx.bias)
         E, h_in = options.num_experts, self.hidden * (2 if self.gated else 1)
         self.router = Router(
             d, E, options.router_bias, correction_bias=options.routing == "sigmoid_topk"
@@ -335,7 +364,7 @@ class MoE(SideOutputs, nn.Module):
         self.shared: nn.Module | None = None
         self.shared_gate: Router | None = None
         if options.shared_experts:
-            width = options.shared_hidden or options.shared_experts * self.hidden
+            width = options.shared_width(d)
             self.shared = EXPERT_BLOCKS[e.name](e.model_copy(update={"hidden": width}), ctx)
             if options.shared_expert_gate:
                 self.shared_gate = Router(d, 1, bias=False)

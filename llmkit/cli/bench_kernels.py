@@ -1,5 +1,5 @@
-"""``llmkit bench kernels``: parse the command's arguments, run the sweep, print the table,
-write JSON and a PNG plot."""
+"""``llmkit bench kernels``'s body: check the command's arguments, run the sweep
+(:mod:`llmkit.bench.kernels`), print the table, write JSON and a PNG plot."""
 
 from __future__ import annotations
 

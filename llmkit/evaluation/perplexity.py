@@ -1,23 +1,31 @@
 """Loss and perplexity, per token and per byte.
 
-The loss is the training objective (:class:`~llmkit.training.objective.Objective`): the
+The loss is the training objective (:class:`~llmkit.model.objective.Objective`): the
 model's cross-entropy, or the spec's ``loss`` component evaluated exactly as a training step
 computes it. Perplexity and the per-byte figures always come from the cross-entropy, so they
 compare across objectives and tokenizers.
+
+The batch-level functions (:func:`evaluate_batches`, :func:`sliding_batches`) are what the
+trainer's validation uses; :func:`run_perplexity` evaluates a saved run on its validation
+split or a text file (``llmkit eval``).
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Iterable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
+from llmkit.errors import LlmkitError
 from llmkit.model import Transformer
-from llmkit.training.objective import Objective
+from llmkit.model.objective import Objective
 
 
 @dataclass
@@ -149,3 +157,82 @@ def sliding_batches(
             x[b, : end - start] = tokens[start:end]
             y[b, first - start : end - start] = tokens[first + 1 : end + 1]
         yield x, y
+
+
+@dataclass
+class EvalText:
+    """What a run is evaluated on: a 1-D token tensor (text, scored in sliding windows) or a
+    prepared split whose rows are scored as trained (masked or padded rows); the text's size
+    in bytes and words where per-byte and per-word figures mean something; where it came from."""
+
+    tokens: Any
+    text_bytes: int | None
+    words: int | None
+    source: str
+
+    @property
+    def is_text(self) -> bool:
+        return isinstance(self.tokens, Tensor)
+
+
+def validation_text(run: Any) -> EvalText:
+    """The run's validation split: its tokens as text when it is packed and every token is
+    trained, else the split itself (chat data trains only the assistant's tokens; padded rows
+    have bytes that mean nothing per token)."""
+    from llmkit.data import prepare_data
+
+    prepared = prepare_data(run.spec, run.run_dir, run.tokenizer, log=lambda _m: None)
+    val = prepared.validation
+    if val.has_mask or val.layout != "packed":
+        return EvalText(val, None, None, "validation split (trained tokens)")
+    tokens = torch.from_numpy(val.array.astype("int64"))
+    return EvalText(tokens, val.n_bytes_text, None, "validation split")
+
+
+def file_text(run: Any, path: Path, what: str = "--data") -> EvalText:
+    """A UTF-8 text file in the run's tokenizer; errors name the file as ``what``, and
+    characters the tokenizer does not know are logged as a note."""
+    from llmkit.files import read_utf8
+
+    if path.is_dir():
+        raise LlmkitError(f"{what}: {path} is a directory; expected a text file")
+    if not path.is_file():
+        raise LlmkitError(f"{what}: file not found: {path}")
+    text = read_utf8(path)
+    if not text:
+        raise LlmkitError(f"{what}: {path} is empty")
+    ids = run.tokenizer.encode(text)
+    note = run.tokenizer.unknown_note(ids, str(path))
+    if note:
+        logging.getLogger("llmkit").info(f"{what}: {note}")
+    tokens = torch.tensor(ids, dtype=torch.long)
+    if tokens.numel() < 2:
+        raise LlmkitError(f"{what}: {path} has fewer than 2 tokens")
+    return EvalText(tokens, len(text.encode("utf-8")), len(text.split()), str(path))
+
+
+def run_perplexity(
+    run: Any,
+    text: EvalText,
+    model: nn.Module | None = None,
+    *,
+    context: int,
+    stride: int,
+    batch_size: int,
+    device: torch.device,
+) -> EvalResult:
+    """The run's objective and perplexity on ``text`` (``model``: the run's own by default,
+    or a converted copy of it): text in windows of ``context`` tokens moving by ``stride``,
+    a prepared split row by row, each trained token once."""
+    from llmkit.data import eval_batches, eval_rows
+
+    objective = Objective.from_spec(run.spec)  # what the run trained on (its val_loss)
+    if text.is_text:
+        batches = sliding_batches(text.tokens, context, stride, batch_size)
+    else:
+        block = run.spec.spec.data.block_size or run.spec.model.max_seq_len
+        rows = len(eval_rows(text.tokens, block))
+        batches = eval_batches(text.tokens, block, batch_size, -(-rows // batch_size))
+    res = evaluate_batches(model or run.model, batches, device, objective=objective)
+    res.text_bytes, res.words = text.text_bytes, text.words
+    return res
