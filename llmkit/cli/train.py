@@ -54,9 +54,6 @@ def _train(args: argparse.Namespace) -> int:
     from llmkit.training import train
 
     sets = list(args.set or [])
-    if args.max_steps is not None:
-        sets += _fit_warmup(args, sets)
-        sets.append(f"train.max_steps={args.max_steps}")
     if args.init_from is not None:
         if args.resume:
             raise LlmkitError("--init-from starts a new run; it cannot be combined with --resume")
@@ -70,6 +67,7 @@ def _train(args: argparse.Namespace) -> int:
             run_dir=args.out,
             overrides=sets,
             resume=True,
+            max_steps=args.max_steps,
             max_time=args.max_time,
             progress=args.progress,
         )
@@ -78,6 +76,7 @@ def _train(args: argparse.Namespace) -> int:
             args.spec,
             run_dir=args.out,
             overrides=sets,
+            max_steps=args.max_steps,
             max_time=args.max_time,
             progress=args.progress,
         )
@@ -92,42 +91,6 @@ def _train(args: argparse.Namespace) -> int:
     if not args.no_sample:
         print_sample(result)
     return 0
-
-
-def _fit_warmup(args: argparse.Namespace, sets: list[str]) -> list[str]:
-    """The ``--set`` that scales the schedule's warmup down to fit ``--max-steps`` (with a
-    note), so a quick ``--max-steps 10`` try always runs; none when it fits. Only the
-    command line's step count is accommodated: a spec whose own warmup exceeds its own
-    ``train.max_steps`` is still refused by validation. Problems reading the spec are left
-    for training to report."""
-    import logging
-    import os
-
-    from llmkit.spec import apply_override, fit_warmup, load_raw
-
-    try:
-        if args.resume:
-            from llmkit.runs import open_run
-
-            where = args.out if args.out is not None else args.spec
-            if where is None:
-                return []
-            data = open_run(where).raw
-        elif args.spec is not None:
-            data = load_raw(args.spec)
-        else:
-            return []
-        for assignment in sets:
-            apply_override(data, assignment)
-        fitted = fit_warmup(data, args.max_steps)
-    except LlmkitError:
-        return []
-    if fitted is None:
-        return []
-    assignment, note = fitted
-    if os.environ.get("RANK", "0") in ("", "0"):  # one note for a torchrun job
-        logging.getLogger("llmkit").info(note)
-    return [assignment]
 
 
 def print_sample(result: Any) -> None:

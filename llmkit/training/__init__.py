@@ -8,7 +8,8 @@ Modules, each one thing:
 - :mod:`~llmkit.training.step`: :class:`TrainStep`, one optimizer step — the function the
   training benchmarks time;
 - :mod:`~llmkit.training.strategy`: :class:`ParallelStrategy`, single process, DDP or FSDP;
-- :mod:`~llmkit.training.resume`: what a new or resumed run may start from;
+- :mod:`~llmkit.training.plan`: :class:`RunPlan`, a run settled before it reads data (the
+  spec read and resolved once; init weights, teacher, tokenizer, vocabulary, objective);
 - :mod:`~llmkit.training.progress`: the progress bar and stop signals;
 - :mod:`~llmkit.training.sample`: the end-of-training sample from the in-memory model;
 - :mod:`~llmkit.training.distributed`: process-group plumbing under torchrun.
@@ -23,6 +24,7 @@ auxiliary loss or metric a component reports arrives through the model output's 
 
 from llmkit.training import distributed
 from llmkit.training.entry import train
+from llmkit.training.plan import RunPlan, plan_run
 from llmkit.training.sample import sample_text
 from llmkit.training.step import StepResult, TrainStep
 from llmkit.training.strategy import ParallelStrategy
@@ -31,11 +33,13 @@ from llmkit.training.trainer import NonFiniteLoss, Trainer, TrainResult
 __all__ = [
     "NonFiniteLoss",
     "ParallelStrategy",
+    "RunPlan",
     "StepResult",
     "TrainResult",
     "TrainStep",
     "Trainer",
     "distributed",
+    "plan_run",
     "sample_text",
     "train",
 ]

@@ -19,25 +19,19 @@ from torch import nn
 from llmkit import hardware
 from llmkit.data.store import PEAKS_FILE, store_root
 from llmkit.errors import LlmkitError
-from llmkit.model.objective import Objective
 from llmkit.runs import (
-    ADAPTER_SECTION,
     PLOT_FILE,
-    SPEC_FILE,
     TOKENIZER_FILE,
     TOKENIZER_FILES,
-    adapter_base,
     build_run_model,
-    save_spec,
+    resume,
 )
 from llmkit.runs import metrics as metrics_mod
 from llmkit.runs.checkpoints import Checkpoints, rng_state, save_weights
-from llmkit.runs.init_from import InitSource, find_init_source
 from llmkit.runs.lock import RunInUse, RunLock
 from llmkit.runs.metrics import RunLog
 from llmkit.spec import ResolvedSpec
-from llmkit.training import resume
-from llmkit.training.distill import Distillation, load_teacher, teacher_tokenizer
+from llmkit.training.plan import RunPlan
 from llmkit.training.progress import ProgressDisplay, StopSignals
 from llmkit.training.step import StepResult, TrainStep, resolve_precision
 from llmkit.training.strategy import ParallelStrategy
@@ -82,25 +76,22 @@ class Trainer:
 
     def __init__(
         self,
-        rs: ResolvedSpec,
-        run_dir: Path,
+        plan: RunPlan,
         *,
-        resume: bool = False,
-        edited: bool = False,
         max_time: float | None = None,
         log: Callable[[str], None] = print,
         progress: bool | None = None,
         strategy: ParallelStrategy | None = None,
         on_eval: Callable[[int, float], bool] | None = None,
     ) -> None:
-        self.rs = rs
+        self.plan = plan
+        self.rs = plan.rs
         #: Called after each evaluation with (step, validation loss); True stops the run
         #: there (``stopped = "pruned"``): a hyperparameter search prunes poor trials so.
         self.on_eval = on_eval
-        self.run_dir = Path(run_dir)
-        self.resume = resume
-        self.edited = edited  # resumed with --set: rs replaces the run's spec once restored
-        self.t = rs.spec.train
+        self.run_dir = plan.run_dir
+        self.resume = plan.resume
+        self.t = plan.rs.spec.train
         self.max_time = max_time if max_time is not None else self.t.max_time
         self.strategy = strategy
         self.log = log
@@ -134,30 +125,18 @@ class Trainer:
         if self.device.type == "cpu" and t.reuse_freed_memory:
             hardware.reuse_freed_memory()
 
-        init = self._init_source()  # before any data is read: a bad source fails at once
-        adopt = self._tokenizer_source(init)
+        plan = self.plan
         with strategy.main_first():  # rank 0 trains the tokenizer and tokenizes first
-            if adopt is not None and strategy.is_main:
-                self._adopt_tokenizer(adopt)
-            data = prepare_data(self.rs, self.run_dir, log=self.log)
+            if plan.tokenizer_source is not None and strategy.is_main:
+                self._adopt_tokenizer(plan.tokenizer_source)
+            data = prepare_data(plan.rs, self.run_dir, log=self.log)
         self.data, self.tokenizer = data, data.tokenizer
-        # A run started from weights keeps their padded embedding (an imported checkpoint's
-        # vocabulary is often rounded up past its tokenizer's).
-        padded = self.resume or (  # a resumed run's saved spec already settled it
-            init is not None
-            and not t.init_resize_vocab
-            and self.tokenizer.vocab_size < self.rs.model.vocab_size
-            and _embedding_rows(init.weights) == self.rs.model.vocab_size
-        )
-        if self.tokenizer.vocab_size != self.rs.model.vocab_size and not padded:
-            self.log(
-                f"vocab_size {self.rs.model.vocab_size} -> {self.tokenizer.vocab_size} "
-                "(the tokenizer's)"
-            )
-            self.rs = self.rs.with_vocab_size(self.tokenizer.vocab_size)
-            self.rs.source = str(self.run_dir / SPEC_FILE)
+        line = plan.settle_vocabulary(self.tokenizer)
+        if line:
+            self.log(line)
+        self.rs = plan.rs
         if not self.resume and strategy.is_main:
-            save_spec(self.rs, self.run_dir)
+            plan.save()
 
         # ≤ max_seq_len: the spec's validation checks it.
         self.block_size = self.rs.spec.data.block_size or self.rs.model.max_seq_len
@@ -176,7 +155,7 @@ class Trainer:
 
         torch.manual_seed(t.seed)  # the same initial weights on every rank
         # (a resumed run restores its own weights: ``init`` is then only an adapted run's base)
-        model, lines = build_run_model(self.rs, init)
+        model, lines = build_run_model(self.rs, plan.init)
         for line in lines:
             self.log(line)
         self.model = model.to(self.device)
@@ -192,19 +171,7 @@ class Trainer:
             self.lr_factor = sched.build(sched.options, total_steps=t.max_steps)
         except ValueError as exc:
             raise LlmkitError(f"schedule {sched.name!r}: {exc}") from exc
-        self.objective = Objective.from_spec(self.rs)
-        if t.distill is not None:
-            teacher = load_teacher(t.distill, self.tokenizer, self.device, self.block_size)
-            self.log(
-                f"distill: teacher {t.distill.teacher} (T {t.distill.temperature}, "
-                f"alpha {t.distill.alpha})"
-            )
-            self.objective = Distillation(
-                self.objective,
-                teacher,
-                temperature=t.distill.temperature,
-                alpha=t.distill.alpha,
-            )
+        self.objective = plan.objective(self.tokenizer, self.device, self.log)
         self.objective.to(self.device)
         self.train_step = TrainStep(
             self.model,
@@ -230,8 +197,8 @@ class Trainer:
         self.peak = peak * strategy.world_size if peak else peak
         if self.resume:
             self._restore()  # last: it sets the RNG state
-            if self.edited and strategy.is_main:
-                save_spec(self.rs, self.run_dir)  # the edited recipe is the run's from now on
+            if plan.edited and strategy.is_main:
+                plan.save()  # the edited recipe is the run's from now on
 
     def _lock_run(self) -> None:
         """Hold ``<run>/.lock`` for the whole training (rank 0 for the job: every rank shares
@@ -249,54 +216,15 @@ class Trainer:
         if problem:
             raise RunInUse(problem)
 
-    def _init_source(self) -> InitSource | None:
-        """Where ``train.init_from`` points (made absolute in the run's spec); None without
-        one, or when resuming a run without adapters (its checkpoint holds all weights)."""
-        init_from = adapter_base(self.rs)
-        if init_from is None or (self.resume and ADAPTER_SECTION not in self.rs.components):
-            return None
-        init = find_init_source(init_from)
-        self.rs = self.rs.with_settings({"train.init_from": str(init.path)})
-        self.t = self.rs.spec.train
-        return init
-
-    def _tokenizer_source(self, init: InitSource | None) -> Path | None:
-        """The tokenizer a new run takes from elsewhere: the init_from source's, else the
-        distillation teacher's (whose path is made absolute in the run's spec); None when
-        the spec names one, when resuming, or when neither has one."""
-        distill = self.t.distill
-        if self.resume:
-            return None
-        teacher_tok = None
-        if distill is not None:
-            teacher_tok = teacher_tokenizer(distill)  # a bad teacher path fails here, early
-            teacher = str(Path(distill.teacher).expanduser().absolute())
-            self.rs = self.rs.with_settings(
-                {"train.distill": distill.model_copy(update={"teacher": teacher})}
-            )
-            self.t = self.rs.spec.train
-        if self.rs.spec.tokenizer.path is not None:
-            return None
-        if init is not None:
-            return init.tokenizer
-        return teacher_tok
-
     def _adopt_tokenizer(self, source: Path) -> None:
-        """Use ``source`` as the run's tokenizer (copied into the run with its config, its
-        kind recorded in the spec): a run that starts from weights or learns from a teacher
-        must give ids the same meaning."""
-        from llmkit.data.tokenizer import Tokenizer
-
-        own = self.run_dir / TOKENIZER_FILE
-        if own.exists():
+        """Copy the tokenizer the plan adopts (with its config) into the run: a run that
+        starts from weights or learns from a teacher must give ids the same meaning."""
+        if (self.run_dir / TOKENIZER_FILE).exists():
             return
         for name in TOKENIZER_FILES:
             src = source.parent / name
             if src.is_file():
                 shutil.copyfile(src, self.run_dir / name)
-        kind = Tokenizer.load(own).kind
-        if kind != self.rs.spec.tokenizer.kind and kind in ("bpe", "char"):
-            self.rs = self.rs.with_settings({"tokenizer.kind": kind})
         self.log(f"tokenizer: {source}")
 
     def _restore(self) -> None:
@@ -306,9 +234,13 @@ class Trainer:
         strategy = self.strategy
         ckpt, state, rank_state = resume.newest_readable(self.checkpoints, strategy, self.log)
         resume.check_max_steps(ckpt, state, self.t.max_steps)  # before anything is loaded
-        hypers = resume.fresh_hyperparameters(self.optimizer)
+        # The (possibly edited) spec's hyperparameters, put back over the loaded state's.
+        hypers = [
+            {k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups
+        ]
         strategy.load_checkpoint(ckpt, self.model, self.optimizer, state)
-        resume.apply_hyperparameters(self.optimizer, hypers)
+        for group, hyper in zip(self.optimizer.param_groups, hypers, strict=True):
+            group.update(hyper)
         self.sampler.load_state_dict(state["data"])
         self.step, self.tokens = int(state["step"]), int(state["tokens"])
         self.elapsed = float(state["elapsed"])
@@ -628,16 +560,3 @@ class Trainer:
             if self.t.plot:
                 metrics_mod.plot_losses(history, self.run_dir / PLOT_FILE, self.rs.spec.name or "")
         return model
-
-
-def _embedding_rows(weights: Path) -> int | None:
-    """Rows of the token embedding in a weights file (its header only), if it has one."""
-    from llmkit.runs.checkpoints import weight_shapes
-
-    try:
-        shapes = weight_shapes(weights)
-    except (OSError, ValueError, LlmkitError):
-        return None
-    # A tied pair is stored once, under lm_head.weight (safetensors keeps one name).
-    shape = shapes.get("tok_emb.weight") or shapes.get("lm_head.weight")
-    return shape[0] if shape else None

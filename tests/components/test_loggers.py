@@ -17,7 +17,7 @@ from llmkit.contracts import LoggerContext, MetricsLogger, NoOptions
 from llmkit.errors import SpecError
 from llmkit.hookspecs import hookimpl
 from llmkit.spec import load_spec, load_spec_dict
-from llmkit.training import Trainer, train
+from llmkit.training import RunPlan, Trainer, train
 from tests.helpers import registry_with, tiny_spec, write_train_spec
 
 CORPUS = "the quick brown fox jumps over the lazy dog.\n" * 120
@@ -167,7 +167,7 @@ def test_a_plugin_logger_gets_every_record(tmp_path):
     reg = registry_with(RecorderPlugin())
     spec = write_train_spec(tmp_path, CORPUS, max_steps=4, eval_interval=2, log_interval=1)
     rs = load_spec(spec, overrides=['train.loggers=[{name="recorder"}]'], registry=reg)
-    Trainer(rs, tmp_path / "run", **quiet()).fit()
+    Trainer(RunPlan.settle(rs, tmp_path / "run"), **quiet()).fit()
     assert Recorder.seen == jsonl(tmp_path / "run") and Recorder.closed == 1
     (ctx,) = Recorder.contexts
     assert ctx.run_dir == tmp_path / "run" and ctx.resume_step is None

@@ -20,8 +20,8 @@ from llmkit.errors import LlmkitError
 from llmkit.files import NoSpaceLeft
 from llmkit.runs.checkpoints import CHECKSUMS, META, Checkpoints, sha256
 from llmkit.runs.lock import LOCK_FILE, RunInUse, RunLock
+from llmkit.runs.resume import restartable
 from llmkit.training import train
-from llmkit.training.resume import restartable
 from tests.conftest import ROOT
 from tests.training.test_train import write_spec
 

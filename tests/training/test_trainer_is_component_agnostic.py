@@ -15,7 +15,11 @@ import llmkit.training
 from llmkit.training import train
 
 TRAINING = Path(llmkit.training.__file__).parent
-SOURCES = {p.name: p.read_text(encoding="utf-8") for p in sorted(TRAINING.glob("*.py"))}
+PACKAGE = TRAINING.parent
+#: The training wing, and what it uses from below to compute and report its losses.
+FILES = [*sorted(TRAINING.glob("*.py")), PACKAGE / "model/objective.py"]
+FILES += [PACKAGE / "evaluation/perplexity.py", PACKAGE / "runs/metrics.py"]
+SOURCES = {str(p.relative_to(PACKAGE)): p.read_text(encoding="utf-8") for p in FILES}
 
 
 def imported_modules(source: str) -> set[str]:
@@ -30,7 +34,7 @@ def imported_modules(source: str) -> set[str]:
 
 
 def test_the_trainer_never_names_a_concrete_component():
-    assert {"trainer.py", "step.py", "objective.py"} <= set(SOURCES)
+    assert {"training/trainer.py", "training/step.py", "model/objective.py"} <= set(SOURCES)
     for name, source in SOURCES.items():
         lowered = source.lower()
         for word in ("moe", "llmkit_losses", "z_loss", "label_smoothing"):

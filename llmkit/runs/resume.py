@@ -1,5 +1,6 @@
-"""Starting and restarting runs: which directory a new run may use, what a resume may change,
-and which checkpoint every rank resumes from."""
+"""Starting and restarting runs, next to the run directory they read: which directory a new
+run may use, and which checkpoint every rank resumes from (each file checked before a byte of
+it is loaded). The ranks are described by a :class:`Ranks` (training's ``ParallelStrategy``)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import math
 import shutil
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -28,8 +29,25 @@ from llmkit.runs.checkpoints import (
     weight_shapes,
 )
 from llmkit.runs.lock import LOCK_FILE
-from llmkit.spec import ResolvedSpec
-from llmkit.training.strategy import ParallelStrategy
+
+
+class Ranks(Protocol):
+    """The processes of a job, as resuming needs them (``ParallelStrategy`` is one)."""
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def is_main(self) -> bool: ...
+
+    @property
+    def distributed(self) -> bool: ...
+
+    @property
+    def sharded(self) -> bool: ...
+
+    def sum(self, values: list[float]) -> Any: ...
+
 
 #: What a run writes before its first step: a directory holding only these (and llmkit's
 #: resolved.json among them) is a run that stopped before training, and may start again.
@@ -68,24 +86,6 @@ def clear_setup(rd: Path) -> None:
             path.unlink(missing_ok=True)
 
 
-def check_same_optimizer(saved: dict[str, Any], edited: ResolvedSpec) -> None:
-    """``--set`` on resume may change hyperparameters, not the optimizer whose state it
-    loads. ``saved`` is the run's spec as written (its component names filled in), so the
-    saved recipe is not resolved a second time."""
-    table = saved.get("optimizer")
-    before = table.get("name") if isinstance(table, dict) else None
-    if before is None:  # a hand-written spec.yaml: the kind's default
-        from llmkit.registry import get_registry
-
-        before = get_registry().kinds["optimizer"].default
-    after = edited.optimizer.record.name
-    if before != after:
-        raise LlmkitError(
-            f"the run was trained with optimizer {before!r}; resuming it with {after!r} cannot "
-            "load its state (start a new run, or keep the optimizer)"
-        )
-
-
 def check_max_steps(ckpt: Path, state: dict[str, Any], max_steps: int) -> None:
     """A resume must be allowed to reach past the step the run is at."""
     if max_steps < int(state["step"]):
@@ -95,9 +95,7 @@ def check_max_steps(ckpt: Path, state: dict[str, Any], max_steps: int) -> None:
         )
 
 
-def read_checkpoint(
-    ckpt: Path, strategy: ParallelStrategy
-) -> tuple[dict[str, Any], dict[str, Any] | None]:
+def read_checkpoint(ckpt: Path, strategy: Ranks) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """The trainer state and this rank's own state of ``ckpt``, after checking every file this
     rank will read against the checksums in ``meta.json``, the state's fields, and that the
     weights file reads (header only); :class:`DamagedCheckpoint` when one does not."""
@@ -190,7 +188,7 @@ def nothing_to_resume(run: Path) -> LlmkitError:
 
 
 def newest_readable(
-    checkpoints: Checkpoints, strategy: ParallelStrategy, log: Callable[[str], None]
+    checkpoints: Checkpoints, strategy: Ranks, log: Callable[[str], None]
 ) -> tuple[Path, dict[str, Any], dict[str, Any] | None]:
     """The latest checkpoint, or the newest older one that is intact when a file of the
     latest cannot be read, with its state and this rank's state. Every rank must resume from
@@ -221,7 +219,7 @@ def newest_readable(
 def restore_rng(
     state: dict[str, Any],
     rank_state: dict[str, Any] | None,
-    strategy: ParallelStrategy,
+    strategy: Ranks,
     seed: int,
     step: int,
 ) -> None:
@@ -233,14 +231,3 @@ def restore_rng(
         set_rng_state(state["rng"])
     else:
         torch.manual_seed(seed + 1000 * strategy.rank + step)
-
-
-def fresh_hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
-    """Each parameter group's settings without its parameters: what the (possibly edited)
-    spec says, to be put back after the saved state is loaded."""
-    return [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-
-
-def apply_hyperparameters(optimizer: torch.optim.Optimizer, hypers: list[dict[str, Any]]) -> None:
-    for group, hyper in zip(optimizer.param_groups, hypers, strict=True):
-        group.update(hyper)
