@@ -23,7 +23,7 @@ from llmkit.errors import LlmkitError, first_line
 from llmkit.interop import hf_files
 from llmkit.interop.family import Family, Refused
 from llmkit.interop.mapping import to_hf, to_llmkit
-from llmkit.spec import ResolvedSpec, resolve
+from llmkit.spec import Resolved, ResolvedSpec, resolve
 
 
 def _families() -> tuple[Family, ...]:
@@ -43,8 +43,9 @@ def _families() -> tuple[Family, ...]:
 
 #: Every family, in the order export tries them.
 FAMILIES: tuple[Family, ...] = _families()
-#: Options that matter only in training: export does not compare them.
-TRAINING_ONLY = {"dropout", "init_std", "scaled_residual_init", "load_balance_coef", "z_loss_coef"}
+#: The model table's own settings that matter only in training: export does not compare
+#: them (a component's options name theirs: ``ComponentOptions.training_only``).
+TRAINING_ONLY = {"dropout", "init_std", "scaled_residual_init"}
 
 
 def supported_model_types() -> dict[str, str]:
@@ -165,35 +166,24 @@ def hf_to_llmkit(hf_dir: str | Path, *, attention: str = "sdpa") -> Imported:
     return Imported(raw, rs, model, cfg, str(source_dtype), notes)
 
 
-#: Kernels computing the same full causal attention; a window makes any of them windowed.
-FULL_ATTENTION = {"sdpa", "flash", "dense", "sliding_window"}
-
-
-def _kernel(opts: dict[str, Any]) -> dict[str, Any]:
-    """What an attention kernel computes, whichever kernel computes it."""
-    if opts.get("name") not in FULL_ATTENTION:
-        return opts
-    out = {"name": "window" if opts.get("window") else "full"}
-    return out | {k: opts[k] for k in ("window", "softcap") if opts.get(k) is not None}
-
-
-def _effective(x: dict[str, Any], d_model: int, bias: bool) -> dict[str, Any]:
-    """Options as they take effect: an unset bias is the model's, a hidden size is the one
-    ``multiplier`` and ``multiple_of`` give, a shared expert block's width is spelled out."""
-    from llmkit.contracts import ffn_hidden
-
-    x = dict(x)
-    if "bias" in x and x["bias"] is None:
-        x["bias"] = bias
-    if {"hidden", "multiplier", "multiple_of"} <= x.keys():
-        x["hidden"] = ffn_hidden(d_model, x["hidden"], x.pop("multiplier"), x.pop("multiple_of"))
-    if isinstance(x.get("expert"), dict):  # a MoE: its shared width and renormalization
-        if x.get("shared_hidden") is None:
-            hidden = _effective(x["expert"], d_model, bias)["hidden"]
-            x["shared_hidden"] = x.get("shared_experts", 0) * hidden
-        if x.get("renormalize") is None:
-            x["renormalize"] = x.get("routing") != "softmax_topk"
-    return x
+def _computes(res: Resolved, d_model: int, bias: bool) -> dict[str, Any]:
+    """What a model component computes, as its contract says: a kernel of the reference
+    attention (``AttentionKernel.full_causal``) by its window and softcap alone, whichever
+    kernel it is; any other by name and its options as they take effect
+    (``ComponentOptions.effective``) without those that matter only in training
+    (``ComponentOptions.training_only``)."""
+    opts = res.options
+    if getattr(res.record.load(), "full_causal", False):
+        window, softcap = getattr(opts, "window", None), getattr(opts, "softcap", None)
+        out: dict[str, Any] = {"name": "window" if window else "full"}
+        return out | {k: v for k, v in (("window", window), ("softcap", softcap)) if v is not None}
+    effective = (
+        opts.effective(d_model, bias)
+        if hasattr(opts, "effective")
+        else opts.model_dump(mode="json")
+    )
+    skip = getattr(opts, "training_only", frozenset())
+    return {"name": res.name} | {k: v for k, v in effective.items() if k not in skip}
 
 
 def _with_prefix(tensors: dict[str, torch.Tensor], fam: Family) -> dict[str, torch.Tensor]:
@@ -205,25 +195,25 @@ def _with_prefix(tensors: dict[str, torch.Tensor], fam: Family) -> dict[str, tor
 
 
 def _comparable(rs: ResolvedSpec) -> dict[str, Any]:
-    """The resolved model table as it computes: training-only options dropped, kernels by
-    what they compute, options by their effect."""
+    """The resolved model table as it computes: training-only settings dropped, every
+    component as it computes (:func:`_computes`)."""
     m = rs.model
 
-    def strip(x: Any) -> Any:
-        if isinstance(x, dict):
-            if "attention" in x and isinstance(x["attention"], dict):
-                x = x | {"attention": _kernel(x["attention"])}
-            x = _effective(x, m.d_model, m.bias)
-            return {k: strip(v) for k, v in x.items() if k not in TRAINING_ONLY}
-        if isinstance(x, list):
-            return [strip(v) for v in x]
-        return x
+    def computes(res: Resolved) -> dict[str, Any]:
+        return _computes(res, m.d_model, m.bias)
 
     model = rs.to_dict()["model"]
     model.pop("norm_placement", None)
     for key in ("qkv_bias", "attn_out_bias"):
         model[key] = m.bias if model.get(key) is None else model[key]
-    return strip(model)
+    for slot, res in rs.model_slots.items():
+        model[slot] = computes(res)
+    for section, res in rs.components.items():
+        table, _, slot = section.rpartition(".")
+        if table == "model" and res is not None:
+            model[slot] = computes(res)
+    model["layers"] = [{s: computes(r) for s, r in plan.slots.items()} for plan in rs.layers]
+    return {k: v for k, v in model.items() if k not in TRAINING_ONLY}
 
 
 def _differences(a: Any, b: Any, path: str = "model") -> list[str]:

@@ -30,7 +30,7 @@ from llmkit.model import accounting
 from llmkit.model.attention import Attention
 from llmkit.model.cache import KVCache
 from llmkit.model.meta import meta_device
-from llmkit.spec import LayerPlan, Resolved, ResolvedSpec
+from llmkit.spec import LayerPlan, Resolved, ResolvedSpec, estimate_parameters
 
 __all__ = ["ModelOutput", "Transformer", "build", "build_model"]
 
@@ -345,23 +345,12 @@ def build_on_meta(rs: ResolvedSpec) -> Transformer:
         return build_model(rs)
 
 
-#: Models estimated (:func:`rough_params`) at up to this many parameters are built for real,
-#: on the CPU with the RNG state kept, to check a spec: the speedrun's 0.8M-parameter model
-#: in 0.03 s, against 0.6 s for a first build on the meta device (whose Python
-#: decompositions import sympy).
+#: Models estimated (:func:`llmkit.spec.estimate_parameters`, from the spec's shapes and
+#: what the ffns' options count) at up to this many parameters are built for real, on the CPU
+#: with the RNG state kept, to check a spec: the speedrun's 0.8M-parameter model in 0.03 s,
+#: against 0.6 s for a first build on the meta device (whose Python decompositions import
+#: sympy).
 CHECK_ON_CPU_PARAMS = 16_000_000
-
-
-def rough_params(rs: ResolvedSpec) -> int:
-    """A generous parameter estimate from the spec's sizes alone (16·d² a layer, times its
-    experts, plus two embedding tables), only to choose how :func:`build_problems` builds."""
-    d = rs.model.d_model
-    total = 2 * rs.model.vocab_size * d
-    for plan in rs.layers:
-        ffn = plan.get("ffn")
-        experts = getattr(ffn.options, "num_experts", 1) if ffn is not None else 1
-        total += 16 * d * d * (experts if isinstance(experts, int) and experts > 1 else 1)
-    return total
 
 
 def build_problems(rs: ResolvedSpec) -> list[str]:
@@ -370,7 +359,7 @@ def build_problems(rs: ResolvedSpec) -> list[str]:
     device (no memory, no weights), or on the CPU when it is small
     (:data:`CHECK_ON_CPU_PARAMS`). Empty when it builds."""
     try:
-        if rough_params(rs) <= CHECK_ON_CPU_PARAMS:
+        if estimate_parameters(rs.spec, rs.layers) <= CHECK_ON_CPU_PARAMS:
             with torch.random.fork_rng(devices=[]), torch.device("cpu"):
                 build_model(rs)
         else:

@@ -1,23 +1,26 @@
 """Checks of a whole spec that need no data: what training would otherwise refuse only after
 reading the corpus (or never, before running out of memory).
 
-Every spec: the model's parameters, estimated from its shapes, stay under
-:data:`MAX_PARAMETERS` (:func:`size_problems`). Spec files, as training recipes
-(:func:`recipe_problems`): the schedule fits in ``train.max_steps`` (warmup no longer than the
-run) and so do ``train.checkpoint_steps``; a byte-level BPE vocabulary the run trains holds
-256 bytes + the special tokens; ``model.adapter`` comes with ``train.init_from``.
+Every spec: the model's parameters, estimated from its shapes
+(:func:`estimate_parameters`), stay under :data:`MAX_PARAMETERS` (:func:`size_problems`).
+Spec files, as training recipes (:func:`recipe_problems`): the schedule fits in
+``train.max_steps`` (warmup no longer than the run) and so do ``train.checkpoint_steps``; a
+byte-level BPE vocabulary the run trains holds 256 bytes + the special tokens; a component
+that adapts base weights (an adapter) comes with ``train.init_from``.
 
 :func:`fit_warmup` scales a schedule's warmup down for a shorter ``--max-steps`` run.
 
-A schedule's warmup is what its options say (the schedule contract's ``warmup``,
-:func:`llmkit.optim.schedule_warmup`), not an option read by name. ``llmkit.optim`` imports
-torch, so it is imported where the schedule's options are at hand (their module imported it).
+No option is read by name: the components' options state these facts (the contract of
+:class:`llmkit.contracts.ComponentOptions` and :class:`llmkit.optim.WarmupOptions`): an ffn's
+``parameter_count``, a component's ``needs_base_weights``, a schedule's ``warmup`` (through
+:func:`llmkit.optim.schedule_warmup`), ``warmup_option`` and ``with_warmup``. ``llmkit.optim``
+imports torch, so it is imported where the schedule's options are at hand (their module
+imported it).
 """
 
 from __future__ import annotations
 
 import copy
-import math
 from typing import Any
 
 from pydantic import ValidationError
@@ -30,9 +33,6 @@ from llmkit.spec.sections import default_names, get_at, spec_kinds
 MAX_PARAMETERS = 10**12
 #: Byte-level BPE starts from one token per byte (as ``llmkit.data.tokenizer.N_BYTES``).
 BPE_BYTES = 256
-#: Training refuses adapters without base weights (``llmkit.training.trainer``); the spec
-#: wing cannot import it, so :func:`recipe_problems` repeats the check by the kind's name.
-ADAPTER_KIND = "adapter"
 SCHEDULE_KIND = "schedule"
 
 
@@ -52,10 +52,14 @@ def recipe_problems(rs: Any) -> list[str]:
             f"train.checkpoint_steps: {late[0]} exceeds train.max_steps ({spec.train.max_steps})"
         )
     problems += _bpe_problems(spec)
-    if ADAPTER_KIND in by_kind and spec.train.init_from is None:
-        # the trainer's own check (llmkit.training.trainer), repeated for validation
-        section = by_kind[ADAPTER_KIND][0]
-        problems.append(f"{section}: adapters need train.init_from, the base weights they adapt")
+    if spec.train.init_from is None:
+        # the trainer's own check (llmkit.runs.adapter_base), repeated for validation: asked
+        # of the components' options (ComponentOptions.needs_base_weights)
+        problems += [
+            f"{section}: adapters need train.init_from, the base weights they adapt"
+            for section, r in rs.components.items()
+            if r is not None and getattr(r.options, "needs_base_weights", False)
+        ]
     return problems
 
 
@@ -73,7 +77,9 @@ def _schedule_problems(section: str, schedule: Any, max_steps: int) -> list[str]
 
     warmup = schedule_warmup(schedule.options, max_steps)
     if warmup > max_steps:
-        return [f"{section}.warmup_steps: {warmup} exceeds train.max_steps ({max_steps})"]
+        option = _warmup_option(schedule.options)
+        where = f"{section}.{option}" if option else section
+        return [f"{where}: {warmup} exceeds train.max_steps ({max_steps})"]
     error = _schedule_error(schedule.record, schedule.options, max_steps)
     return [f"{section}: {error} (train.max_steps = {max_steps})"] if error else []
 
@@ -98,31 +104,34 @@ def _bpe_problems(spec: Spec) -> list[str]:
     ]
 
 
-def _ffn_width(options: Any, d_model: int) -> int:
-    """The hidden width of an ffn's options that say it (``hidden``, else ``multiplier``),
-    times its experts; 0 when they say neither."""
-    experts = getattr(options, "num_experts", 1)
-    inner = getattr(options, "expert", options)
-    hidden = getattr(inner, "hidden", None)
-    if not isinstance(hidden, int):
-        multiplier = getattr(inner, "multiplier", None)
-        if not isinstance(multiplier, int | float) or not math.isfinite(multiplier):
-            return 0
-        hidden = math.ceil(multiplier * d_model)
-    return hidden * (experts if isinstance(experts, int) else 1)
+def generic_ffn_parameters(d_model: int) -> int:
+    """The estimate of an ffn whose options do not count their parameters
+    (``parameter_count`` None, the :class:`~llmkit.contracts.ComponentOptions` default): a
+    two-layer MLP of 4·d_model hidden units without biases, the transformer's own, 8·d²."""
+    return 8 * d_model * d_model
+
+
+def ffn_parameters(options: Any, d_model: int, bias: bool) -> int:
+    """An ffn's parameters as its options count them (``parameter_count``), else
+    :func:`generic_ffn_parameters`."""
+    count = getattr(options, "parameter_count", None)
+    n = count(d_model, bias) if callable(count) else None
+    return generic_ffn_parameters(d_model) if n is None else n
 
 
 def estimate_parameters(spec: Spec, layers: list[Any]) -> int:
-    """A lower bound on the parameters: embeddings, output head, attention projections and
-    the feed-forward matrices whose width the options state (two per layer)."""
+    """The model's parameters estimated from its shapes: embeddings, output head, attention
+    projections (weights) and each layer's ffn (:func:`ffn_parameters`). For built-in
+    components a close lower bound (norms, positional tables and attention biases are left
+    out); llmkit's one estimate, for :func:`size_problems` and for how
+    ``llmkit.model.build_problems`` builds."""
     m = spec.model
     d, heads, kv, hd = m.d_model, m.n_heads, m.kv_heads, m.dim_head
     total = m.vocab_size * d * (1 if m.tie_embeddings else 2)
     attention = d * (heads + 2 * kv) * hd + heads * hd * d
     for plan in layers:
         ffn = plan.get("ffn")
-        width = _ffn_width(ffn.options, d) if ffn is not None else 0
-        total += attention + 2 * d * width
+        total += attention + (ffn_parameters(ffn.options, d, m.bias) if ffn is not None else 0)
     return total
 
 
@@ -132,7 +141,7 @@ def size_problems(spec: Spec, layers: list[Any]) -> list[str]:
     if n <= MAX_PARAMETERS:
         return []
     return [
-        f"model: at least {_sci(n)} parameters (embeddings, attention and feed-forward "
+        f"model: about {_sci(n)} parameters (embeddings, attention and feed-forward "
         f"alone), above the limit of {_sci(MAX_PARAMETERS)}; make the model smaller"
     ]
 
@@ -169,6 +178,9 @@ def fit_warmup(
         options = model.model_validate({k: v for k, v in table.items() if k != "name"})
     except (RegistryError, ValidationError):
         return None
+    option = _warmup_option(options)
+    if option is None:
+        return None
     from llmkit.optim import schedule_warmup
 
     train = data.get("train") if isinstance(data.get("train"), dict) else {}
@@ -180,10 +192,7 @@ def fit_warmup(
         return None
 
     def fits(w: int) -> bool:
-        return (
-            _schedule_error(record, options.model_copy(update={"warmup_steps": w}), max_steps)
-            is None
-        )
+        return _schedule_error(record, options.with_warmup(w), max_steps) is None
 
     if fits(warmup) or _schedule_error(record, options, own) is not None:
         return None
@@ -194,7 +203,18 @@ def fit_warmup(
         mid = (low + high + 1) // 2
         low, high = (mid, high) if fits(mid) else (low, mid - 1)
     note = (
-        f"--max-steps {max_steps} is shorter than {kind.section}.warmup_steps ({warmup}): "
+        f"--max-steps {max_steps} is shorter than {kind.section}.{option} ({warmup}): "
         f"warmup scaled to {low} steps (the spec warms up for {warmup} of {own} steps)"
     )
-    return f"{kind.section}.warmup_steps={low}", note
+    return f"{kind.section}.{option}={low}", note
+
+
+def _warmup_option(options: Any) -> str | None:
+    """The option that sets a schedule's warmup (``warmup_option``, with ``with_warmup``),
+    or None when its options have none."""
+    option = getattr(options, "warmup_option", None)
+    return (
+        option
+        if isinstance(option, str) and callable(getattr(options, "with_warmup", None))
+        else None
+    )

@@ -490,3 +490,13 @@ def test_sdpa_widens_short_or_narrow_bf16_calls_on_a_cpu(monkeypatch, tq, tk, d,
     torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=2e-2)
     if widened:  # fp32 inside: only the final rounding differs
         torch.testing.assert_close(out, want.bfloat16(), atol=0, rtol=0)
+
+
+def test_the_built_in_kernels_say_they_compute_the_reference_attention():
+    """``full_causal``: a Hugging Face export treats them as one, by window and softcap."""
+    from llmkit.components.attention.flash import FlashAttention
+
+    kernels = (DenseAttention, SDPAttention, SlidingWindowAttention, FlashAttention)
+    assert all(k.full_causal for k in kernels) and not AttentionKernel.full_causal
+    for kernel in (DenseAttention, SDPAttention, SlidingWindowAttention):
+        assert kernel.Options.training_only == {"dropout"}

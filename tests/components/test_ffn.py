@@ -134,3 +134,19 @@ def test_options_schema(name):
     for bad in ({"unknown": 1}, {"multiplier": 0}, {"multiple_of": 0}, {"hidden": 0}):
         with pytest.raises(ValidationError):
             opts(**bad)
+
+
+@pytest.mark.parametrize("name", list(FFNS))
+@pytest.mark.parametrize("bias", [True, False])
+def test_the_options_count_the_parameters_and_resolve_the_hidden_size(name, bias):
+    """The contract facts of an ffn's options: ``parameter_count`` is the block's count and
+    ``effective`` spells out the hidden size and the bias in place of what derives them."""
+    cls = FFNS[name]
+    options = cls.Options(multiplier=2.5, multiple_of=8)
+    m = cls(options, ctx(bias=bias))
+    assert options.parameter_count(16, bias) == sum(p.numel() for p in m.parameters())
+    effective = options.effective(16, bias)
+    assert effective["hidden"] == m.out_proj.in_features == 40
+    assert effective["bias"] is bias
+    assert "multiplier" not in effective and "multiple_of" not in effective
+    assert effective == cls.Options(hidden=40, bias=bias).effective(16, not bias)

@@ -454,3 +454,21 @@ def test_router_logits_stay_float32_under_autocast_and_bf16():
     assert type(moe.router) is not nn.Linear  # int8 passes over nn.Linear leave it alone
     low = make(num_experts=4).to(torch.bfloat16)
     assert low.route(x.bfloat16())[0].dtype == torch.float32
+
+
+def test_moe_options_count_their_parameters_and_say_what_takes_effect():
+    options = MoEOptions(
+        num_experts=4,
+        top_k=2,
+        routing="softmax_topk",
+        expert={"name": "geglu", "multiplier": 2, "bias": True},
+        shared_experts=2,
+        shared_expert_gate=True,
+        router_bias=True,
+    )
+    m = MoE(options, ctx(bias=False))
+    assert options.parameter_count(16, False) == sum(p.numel() for p in m.parameters())
+    effective = options.effective(16, False)
+    assert effective["expert"]["hidden"] == 32 and effective["expert"]["bias"] is True
+    assert effective["shared_hidden"] == 64 and effective["renormalize"] is False
+    assert {"load_balance_coef", "z_loss_coef"} == MoEOptions.training_only

@@ -149,16 +149,38 @@ def test_build_problems_finds_what_only_building_would(where, monkeypatch):
     assert "rotary dimensions must be a positive even number" in problem
 
 
-def test_rough_params_is_a_generous_estimate():
-    from llmkit.model.transformer import rough_params
+@pytest.mark.parametrize(
+    "ffn",
+    [
+        {"name": "mlp"},
+        {"name": "mlp", "multiplier": 3.3, "multiple_of": 16},
+        {"name": "swiglu"},
+        {"name": "geglu", "bias": False},
+        {"name": "moe", "num_experts": 4},
+        {
+            "name": "moe",
+            "num_experts": 4,
+            "expert": {"name": "mlp"},
+            "shared_experts": 1,
+            "shared_expert_gate": True,
+            "router_bias": True,
+        },
+    ],
+)
+def test_the_one_parameter_estimate_is_close_below_the_built_model(ffn):
+    """``estimate_parameters`` (which also chooses how build_problems builds) counts each
+    built-in ffn exactly from its options and leaves out only norms, positional tables and
+    attention biases."""
+    from llmkit.spec import estimate_parameters
+    from llmkit.spec.limits import ffn_parameters
 
-    for spec in (
-        tiny_spec(),
-        tiny_spec(ffn={"name": "swiglu"}, vocab_size=1000),
-        tiny_spec(ffn={"name": "moe", "num_experts": 4}),
-    ):
-        rs = load_spec_dict(spec)
-        assert build_model(rs).num_params() <= rough_params(rs) <= 3 * build_model(rs).num_params()
+    rs = load_spec_dict(tiny_spec(ffn=ffn, vocab_size=1000))
+    model = build_model(rs)
+    m = rs.model
+    estimated = [ffn_parameters(plan.ffn.options, m.d_model, m.bias) for plan in rs.layers]
+    assert estimated == [sum(p.numel() for p in layer.ffn.parameters()) for layer in model.layers]
+    n = model.num_params()
+    assert 0.95 * n < estimate_parameters(rs.spec, rs.layers) <= n
 
 
 def test_build_problems_leaves_what_meta_cannot_run_to_the_real_build(monkeypatch):

@@ -10,7 +10,10 @@ from typing import Any
 import pytest
 import yaml
 
+from llmkit import hookimpl
+from llmkit.contracts import ComponentOptions, NoOptions
 from llmkit.errors import LlmkitError, SpecError
+from llmkit.optim import WarmupOptions, check_steps
 from llmkit.spec import (
     MAX_PARAMETERS,
     estimate_parameters,
@@ -21,7 +24,7 @@ from llmkit.spec import (
     read_spec_file,
 )
 from tests.conftest import SPECS
-from tests.helpers import tiny_spec
+from tests.helpers import registry_with, tiny_spec
 
 SPEC = """
 [model]
@@ -50,10 +53,10 @@ def spec_file(tmp_path):
     return path
 
 
-def one_problem(path, *sets: str) -> str:
+def one_problem(path, *sets: str, registry: Any = None) -> str:
     """The single problem loading ``path`` with ``sets`` reports."""
     with pytest.raises(SpecError) as err:
-        load_spec(path, list(sets))
+        load_spec(path, list(sets), registry=registry)
     assert len(err.value.problems) == 1, err.value.problems
     return err.value.problems[0]
 
@@ -129,6 +132,28 @@ def test_a_bpe_vocabulary_is_not_checked_when_none_is_trained(spec_file):
     load_spec(spec_file, ['tokenizer={kind="bpe"}', "model.vocab_size=257"])
 
 
+class PatchOptions(ComponentOptions):
+    needs_base_weights = True
+
+
+class PatchPlugin:
+    @hookimpl
+    def register_kinds(self, register):
+        register("patch", "Weight patch", section="model.patch")
+
+    @hookimpl
+    def register_components(self, register):
+        register("patch", "delta", "llmkit.components.ffn.mlp:MLP", options=PatchOptions)
+
+
+def test_components_that_adapt_base_weights_say_so_in_their_options(spec_file):
+    """The adapter check asks the options (``needs_base_weights``), not the kind's name."""
+    reg = registry_with(PatchPlugin())
+    problem = one_problem(spec_file, 'model.patch={name="delta"}', registry=reg)
+    assert problem == "model.patch: adapters need train.init_from, the base weights they adapt"
+    load_spec(spec_file, ['model.patch={name="delta"}', 'train.init_from="base"'], registry=reg)
+
+
 def test_training_checks_spare_specs_that_only_describe_a_model():
     """``load_spec_dict`` (a model built in code) keeps accepting a BPE vocabulary of 64, an
     adapter without base weights and a warmup longer than the default run."""
@@ -146,6 +171,37 @@ def test_the_parameter_estimate_is_a_close_lower_bound():
     rs = load_spec(SPECS / "gpt2-small.toml")
     estimate = estimate_parameters(rs.spec, rs.layers)
     assert 0.99 * 124_439_808 < estimate <= 124_439_808  # llmkit info's exact count
+
+
+class CountedOptions(ComponentOptions):
+    width: int = 3
+
+    def parameter_count(self, d_model: int, bias: bool) -> int:
+        return self.width * d_model
+
+
+class FFNPlugin:
+    @hookimpl
+    def register_components(self, register):
+        register("ffn", "counted", "llmkit.components.ffn.mlp:MLP", options=CountedOptions)
+        register("ffn", "silent", "llmkit.components.ffn.mlp:MLP", options=NoOptions)
+
+
+def test_an_ffn_is_estimated_by_its_options_count_else_generically():
+    """The estimate asks the ffn's options (``parameter_count``); one whose options do not
+    say (None, the default) counts as a 4·d_model MLP without biases, 8·d²."""
+    from llmkit.spec.limits import ffn_parameters, generic_ffn_parameters
+
+    reg = registry_with(FFNPlugin())
+    base = load_spec_dict(tiny_spec(ffn={"name": "mlp", "hidden": 1}), registry=reg)
+    floor = estimate_parameters(base.spec, base.layers) - 2 * ffn_parameters(
+        base.layers[0].ffn.options, 32, True
+    )
+    counted = load_spec_dict(tiny_spec(ffn={"name": "counted", "width": 5}), registry=reg)
+    assert estimate_parameters(counted.spec, counted.layers) == floor + 2 * 5 * 32
+    silent = load_spec_dict(tiny_spec(ffn={"name": "silent"}), registry=reg)
+    assert generic_ffn_parameters(32) == 8 * 32 * 32
+    assert estimate_parameters(silent.spec, silent.layers) == floor + 2 * 8 * 32 * 32
 
 
 # -- reading files ---------------------------------------------------------------------------
@@ -265,6 +321,39 @@ def test_the_warmup_is_left_alone_when_it_fits_or_the_spec_contradicts_itself(sp
     assert fit_warmup(raw(spec_file, "schedule.warmup_steps=0"), 1) is None
     assert fit_warmup(raw(spec_file, "train.max_steps=5"), 3) is None  # its own error
     assert fit_warmup(raw(spec_file, 'schedule={name="constant"}'), 1) is None
+
+
+class RampOptions(WarmupOptions):
+    """A plugin schedule whose warmup is the option ``ramp``, not ``warmup_steps``."""
+
+    warmup_steps: int = 0
+    ramp: int = 0
+    warmup_option = "ramp"
+
+    def warmup(self, max_steps: int) -> int:
+        return self.ramp
+
+
+def build_ramp(options: RampOptions, *, total_steps: int, base_lr: float = 1.0):
+    check_steps(options.ramp, total_steps, "ramp")
+    return lambda step: base_lr * min(1.0, (step + 1) / max(options.ramp, 1))
+
+
+class RampPlugin:
+    @hookimpl
+    def register_components(self, register):
+        register("schedule", "ramp", build_ramp, options=RampOptions)
+
+
+def test_a_schedule_says_which_option_sets_its_warmup(spec_file):
+    reg = registry_with(RampPlugin())
+    data = raw(spec_file, 'schedule={name="ramp", ramp=20}')
+    assignment, note = fit_warmup(data, 5, registry=reg)
+    assert assignment == "schedule.ramp=1"
+    assert note.startswith("--max-steps 5 is shorter than schedule.ramp (20)")
+    problem = one_problem(spec_file, 'schedule={name="ramp", ramp=200}', registry=reg)
+    assert problem == "schedule.ramp: 200 exceeds train.max_steps (100)"
+    assert RampOptions(ramp=3).with_warmup(7) == RampOptions(ramp=7)
 
 
 def test_a_wsd_warmup_is_reduced_until_the_decay_fits(spec_file):
