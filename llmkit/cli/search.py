@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import subprocess
 import sys
 from collections.abc import Callable
@@ -38,36 +37,34 @@ def configure_search(p: argparse.ArgumentParser) -> None:
         default=1,
         help="processes working on the study here, threads split between them (default 1)",
     )
-
-
-def _threads(workers: int) -> int:
-    return max(1, (os.cpu_count() or 1) // workers)
+    p.add_argument(
+        "--threads",
+        type=at_least(1),
+        help="CPU threads of each trial (default: the usable cores divided by --workers)",
+    )
 
 
 def run_search_command(args: argparse.Namespace) -> int:
     from llmkit.experiments.search import check_search, read_search, run_search
+    from llmkit.experiments.trial import threads_per_worker
 
     search, where = read_search(args.search_file)
     check_search(search, where / search.base)  # every problem before any process starts
+    threads = args.threads or threads_per_worker(args.workers)
     helpers: list[subprocess.Popen[bytes]] = []
     if args.workers > 1:
-        threads = str(_threads(args.workers))
-        env = {**os.environ, "OMP_NUM_THREADS": threads}
         argv = [sys.executable, "-m", "llmkit.cli", "search", args.search_file]
+        argv += ["--threads", str(threads)]  # each trial's share, as this process's
         for flag in ("out", "trials", "storage"):
             if getattr(args, flag) is not None:
                 argv += [f"--{flag}", str(getattr(args, flag))]
         helpers = [  # each its own sampler seed: the file's, plus its worker number
             subprocess.Popen(
                 [*argv, "--seed-offset", str(args.seed_offset + i * 1000)],
-                env=env,
                 stdout=subprocess.DEVNULL,
             )
             for i in range(1, args.workers)
         ]
-        import torch
-
-        torch.set_num_threads(_threads(args.workers))
     con = console()
     try:
         result = run_search(
@@ -76,6 +73,7 @@ def run_search_command(args: argparse.Namespace) -> int:
             trials=args.trials,
             storage=args.storage,
             seed_offset=args.seed_offset,
+            threads=threads,
             log=lambda m: con.print(m, markup=False),
         )
     finally:

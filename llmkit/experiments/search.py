@@ -3,7 +3,8 @@ the validation loss the trainer reports, and a study in a database several proce
 machines share.
 
 A search file (TOML or YAML) names a base spec, fixed ``set`` overrides, and the parameters
-to search, each a spec path with a distribution::
+to search, each a spec path with a distribution (:mod:`llmkit.experiments.distributions`,
+the vocabulary of a random sweep's axes too)::
 
     name = "lr-warmup"
     base = "../specs/tiny.toml"
@@ -14,9 +15,12 @@ to search, each a spec path with a distribution::
     "schedule.warmup_steps" = { int = [0, 100], step = 10 }
     "model.norm" = { choice = ["layernorm", "rmsnorm"] }
 
-Each trial is a normal run directory (``OUT/trials/trial-NNNN``); its value is the best
-validation loss (``metric``). After every evaluation the trainer reports the loss to the
-trial, and the pruner (median by default; Optuna's ``MedianPruner``) may stop it there. The
+Each trial is a normal run directory (``OUT/trials/trial-NNNN``, its output in
+``OUT/logs/trial-NNNN.log``), trained as a sweep's trials are: an ``llmkit train``
+subprocess (:mod:`llmkit.experiments.trial`). Its value is the best validation loss
+(``metric``). Each evaluation the trainer writes is reported to the trial as it appears,
+and when the pruner (median by default; Optuna's ``MedianPruner``) says so the trial is
+stopped (it ends after its next step, saving a checkpoint) and counts as pruned. The
 study lives in ``storage`` (default ``sqlite:///OUT/study.db``); every process that runs the
 same search file against the same storage works on the same study, until ``trials``
 trials have completed or been pruned. Rerunning after a kill goes on where it stopped: a
@@ -29,60 +33,20 @@ import csv
 import io
 import json
 import math
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from llmkit.errors import LlmkitError, SpecError, first_line, validation_problems
+from llmkit.experiments import trial as trial_runner
+from llmkit.experiments.distributions import DISTRIBUTIONS, Choice, Distribution, table_keys
+from llmkit.experiments.sweep_axes import METRIC_COLUMNS, toml_literal
 
 #: Seconds between a running trial's heartbeats; a trial silent for longer is stale.
 HEARTBEAT_S = 20
-
-
-class Distribution(BaseModel):
-    """One searched parameter: exactly one of the distributions."""
-
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, populate_by_name=True)
-
-    log_uniform: tuple[float, float] | None = None
-    uniform: tuple[float, float] | None = None
-    integer: tuple[int, int] | None = Field(None, alias="int")
-    step: float | None = Field(None, gt=0, description="the grid of `int` or `uniform`")
-    choice: list[Any] | None = Field(None, min_length=1)
-
-    @model_validator(mode="after")
-    def _one(self) -> Distribution:
-        given = [k for k in ("log_uniform", "uniform", "integer", "choice") if getattr(self, k)]
-        if len(given) != 1:
-            raise ValueError("give exactly one of log_uniform, uniform, int, choice")
-        lo_hi = self.log_uniform or self.uniform or self.integer
-        if lo_hi is not None and not lo_hi[0] < lo_hi[1]:
-            raise ValueError(f"the range {list(lo_hi)} must go from low to high")
-        if self.log_uniform is not None and self.log_uniform[0] <= 0:
-            raise ValueError("log_uniform needs a positive low end")
-        return self
-
-    def ends(self) -> list[Any]:
-        """Values that must all be valid settings: the range's ends, or every choice."""
-        if self.choice is not None:
-            return list(self.choice)
-        lo_hi = self.log_uniform or self.uniform or self.integer
-        assert lo_hi is not None
-        return list(lo_hi)
-
-    def suggest(self, trial: Any, name: str) -> Any:
-        if self.log_uniform is not None:
-            return trial.suggest_float(name, *self.log_uniform, log=True)
-        if self.uniform is not None:
-            return trial.suggest_float(name, *self.uniform, step=self.step)
-        if self.integer is not None:
-            return trial.suggest_int(name, *self.integer, step=int(self.step or 1))
-        assert self.choice is not None
-        return trial.suggest_categorical(name, self.choice)
 
 
 class SearchSpec(BaseModel):
@@ -121,7 +85,25 @@ def read_search(path: str | Path) -> tuple[SearchSpec, Path]:
     try:
         return SearchSpec.model_validate(data), p.parent
     except ValidationError as exc:
-        raise SpecError(validation_problems(exc, top="search"), str(p)) from None
+        problems = validation_problems(exc, top="search", shown=_shown, allowed=_allowed)
+        raise SpecError(problems, str(p)) from None
+
+
+def _is_tag(loc: tuple[Any, ...], i: int) -> bool:
+    """Whether ``loc[i]`` is the tag pydantic adds to a parameter's errors (not in the file):
+    ``params.<path>.<tag>``."""
+    return i == 2 and loc[0] == "params" and loc[i] in DISTRIBUTIONS
+
+
+def _shown(loc: tuple[Any, ...]) -> tuple[Any, ...]:
+    return tuple(part for i, part in enumerate(loc) if not _is_tag(loc, i))
+
+
+def _allowed(loc: tuple[Any, ...]) -> list[str]:
+    """The keys of the table an unknown key at ``loc`` sits in."""
+    if len(loc) > 3 and _is_tag(loc, 2):
+        return table_keys(DISTRIBUTIONS[loc[2]])
+    return table_keys(SearchSpec)
 
 
 def default_out(name: str) -> Path:
@@ -136,8 +118,6 @@ FAILURES = (LlmkitError, RuntimeError, ValueError)
 
 
 def _override(path: str, value: Any) -> str:
-    from llmkit.experiments.sweep_axes import toml_literal
-
     return f"{path}={toml_literal(value)}"
 
 
@@ -218,19 +198,23 @@ def run_search(
     trials: int | None = None,
     storage: str | None = None,
     seed_offset: int = 0,
+    threads: int | None = None,
     log: Callable[[str], None] = print,
 ) -> SearchResult:
     """Run (or go on with) the search of a search file until its study holds ``trials``
     (default: the file's) completed or pruned trials; this process's share of the work
     when others run the same study. Each process working on one study needs its own
     ``seed_offset`` (added to the file's seed): ``--workers`` numbers its processes, and
-    machines sharing a study pass ``--seed-offset``."""
+    machines sharing a study pass ``--seed-offset``. Each trial is an ``llmkit train``
+    subprocess (:mod:`llmkit.experiments.trial`) with ``threads`` CPU threads (default:
+    every core this process may use)."""
     try:
         import optuna
     except ImportError:
         raise LlmkitError("llmkit search needs Optuna: pip install 'llmkit[optuna]'") from None
 
-    from llmkit.training import train
+    from llmkit.experiments.sweep import LOGS_DIR
+    from llmkit.spec import load_spec
 
     search, where = read_search(path)
     if trials is not None:
@@ -240,11 +224,9 @@ def run_search(
     out_dir = Path(out) if out else default_out(search.name)
     (out_dir / "trials").mkdir(parents=True, exist_ok=True)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    import datasets
-
-    datasets.disable_progress_bars()  # one line per trial is the progress display
     study = _study(search, out_dir, storage, seed_offset)
     done_states = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
+    threads = threads if threads is not None else trial_runner.threads_per_worker(1)
 
     def objective(trial: Any) -> float:
         try:
@@ -256,28 +238,40 @@ def run_search(
 
     def run_trial(trial: Any) -> float:
         values = {p: d.suggest(trial, p) for p, d in search.params.items()}
-        run_dir = out_dir / "trials" / f"trial-{trial.number:04d}"
+        name = f"trial-{trial.number:04d}"
+        run_dir = out_dir / "trials" / name
         trial.set_user_attr("run_dir", str(run_dir))
         overrides = [*search.set, *(_override(p, v) for p, v in values.items())]
         shown = ", ".join(f"{p}={_short(v)}" for p, v in values.items())
         log(f"trial {trial.number}: {shown}")
+        max_steps = load_spec(base, overrides).spec.train.max_steps
+        reported: list[float] = []
 
         def on_eval(step: int, val_loss: float) -> bool:
             trial.report(val_loss, step)
+            reported.append(val_loss)
             return bool(trial.should_prune())
 
-        start = time.perf_counter()
-        result = train(
-            str(base), run_dir=run_dir, overrides=overrides, log=lambda _m: None,
-            progress=False, on_eval=on_eval,
-        )  # fmt: skip
-        value = result.best_val_loss if search.metric == "best_val_loss" else result.val_loss
-        trial.set_user_attr("steps", result.step)
-        trial.set_user_attr("tokens", result.tokens)
-        trial.set_user_attr("wall_s", round(time.perf_counter() - start, 2))
-        if result.stopped == "pruned":
-            log(f"trial {trial.number}: pruned at step {result.step} (val {value:.4f})")
+        job = trial_runner.TrialJob(
+            run_dir=run_dir,
+            log=out_dir / LOGS_DIR / f"{name}.log",
+            spec=base,
+            overrides=overrides,
+            max_steps=max_steps,
+            threads=threads,
+        )
+        ended = trial_runner.run_trial(job, on_eval)
+        if ended.error is not None:
+            raise LlmkitError(ended.error)
+        numbers = ended.numbers
+        trial.set_user_attr("steps", numbers.get("steps"))
+        trial.set_user_attr("tokens", numbers.get("tokens"))
+        trial.set_user_attr("wall_s", ended.wall_s)
+        if ended.stopped_at is not None:
+            at = min(reported) if search.metric == "best_val_loss" else reported[-1]
+            log(f"trial {trial.number}: pruned at step {ended.stopped_at} (val {at:.4f})")
             raise optuna.TrialPruned()
+        value = numbers.get(METRIC_COLUMNS[search.metric])
         if value is None or not math.isfinite(value):
             raise LlmkitError(f"trial {trial.number} ended without a finite validation loss")
         log(f"trial {trial.number}: {search.metric} {value:.4f}")
@@ -375,8 +369,9 @@ def _plot(directory: Path, rows: list[dict[str, Any]], search: SearchSpec) -> No
     for path, dist in search.params.items():
         fig, ax = plt.subplots(figsize=(6, 4))
         xs = [r[path] for r in done]
-        ax.scatter([str(x) for x in xs] if dist.choice else xs, [r["value"] for r in done])
-        if dist.log_uniform:
+        categorical = isinstance(dist, Choice)
+        ax.scatter([str(x) for x in xs] if categorical else xs, [r["value"] for r in done])
+        if dist.log:
             ax.set_xscale("log")
         ax.set_xlabel(path)
         ax.set_ylabel(search.metric)

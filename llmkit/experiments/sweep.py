@@ -2,11 +2,13 @@
 
 :func:`run_sweep` reads a sweep file (:mod:`llmkit.experiments.sweep_axes`: its format,
 axes and trial ids), resolves every trial's spec before any trial starts (all problems of
-all trials reported at once), and trains the trials as ``llmkit train`` subprocesses,
-``workers`` at a time, each with its share of the CPU threads. Each trial is a normal run
-directory under ``<sweep>/trials/``. Rerunning the same sweep skips the done trials,
-resumes the interrupted ones from their last checkpoint (``llmkit train --resume``: exact)
-and starts the rest; a failed trial is recorded and rerun only with ``retry_failed``.
+all trials reported at once), and trains the trials ``workers`` at a time, each an
+``llmkit train`` subprocess with its share of the CPU threads, started, stopped and read
+through the trial runner every experiment uses (:mod:`llmkit.experiments.trial`). Each
+trial is a normal run directory under ``<sweep>/trials/``. Rerunning the same sweep skips
+the done trials, resumes the interrupted ones from their last checkpoint (``llmkit train
+--resume``: exact) and starts the rest; a failed trial is recorded and rerun only with
+``retry_failed``.
 Results (:mod:`llmkit.experiments.sweep_report`) are rewritten after every trial.
 
 Layout of ``<sweep>/``::
@@ -23,11 +25,8 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import os
 import shutil
 import signal
-import subprocess
-import sys
 import time
 from collections import deque
 from collections.abc import Callable
@@ -39,7 +38,6 @@ import yaml
 
 from llmkit.errors import LlmkitError, SpecError
 from llmkit.experiments import sweep_branches
-from llmkit.experiments import sweep_process as process
 from llmkit.experiments import sweep_report as report
 from llmkit.experiments.sweep_axes import (
     METRIC_COLUMNS,
@@ -50,6 +48,13 @@ from llmkit.experiments.sweep_axes import (
     log_axes,
     read_sweep,
     zip_partners,
+)
+from llmkit.experiments.trial import (
+    TrialJob,
+    TrialProcess,
+    summarize,
+    threads_per_worker,
+    visible_gpus,
 )
 
 #: Where a sweep's directory goes by default: ``runs/sweeps/<name>`` under the current
@@ -153,17 +158,6 @@ def validate_plan(plan: SweepPlan) -> dict[str, Any]:
     return specs
 
 
-def threads_per_worker(workers: int, cores: int | None = None) -> int:
-    """CPU threads for each of ``workers`` trials at once: the cores this process may use,
-    shared out, at least one."""
-    if cores is None:
-        try:
-            cores = len(os.sched_getaffinity(0))
-        except AttributeError:  # not Linux
-            cores = os.cpu_count() or 1
-    return max(1, cores // max(1, workers))
-
-
 def trial_state(run_dir: Path, max_steps: int) -> str:
     """What a trial's run directory holds: ``pending`` (nothing to resume from),
     ``interrupted`` (a checkpoint before the end) or ``done`` (final weights at the last
@@ -221,9 +215,8 @@ def run_sweep(
 @dataclass
 class _Running:
     trial: Trial
-    proc: subprocess.Popen[bytes]
+    proc: TrialProcess
     slot: int
-    log_from: int
 
 
 class _Runner:
@@ -255,7 +248,7 @@ class _Runner:
         #: ``branch_budgets``: trial id -> (the trial it branches from, at which step).
         self.branches: dict[str, tuple[str, int]] = {}
         self.threads = threads_per_worker(workers)
-        self.gpus = process.visible_gpus() if workers > 1 else 0
+        self.gpus = visible_gpus() if workers > 1 else 0
 
     # -- set-up ------------------------------------------------------------------------------
     def _prepare(self) -> None:
@@ -325,7 +318,7 @@ class _Runner:
         run = self._run_dir(trial)
         row: dict[str, Any] = {"trial": trial.id, "status": status, **trial.values}
         seed = trial.seed if trial.seed is not None else self.specs[trial.id].spec.train.seed
-        numbers = report.summarize(run) if run.is_dir() else {}
+        numbers = summarize(run) if run.is_dir() else {}
         row.update({c: None for c in report.TAIL_COLUMNS}, **numbers, seed=seed)
         acct = self._accounting(trial)
         row["params"] = acct.get("params")
@@ -480,70 +473,41 @@ class _Runner:
             self._write()
             display.ended(trial, self.rows[trial.id])
             return
-        cmd = self._command(trial, run, resume=latest is not None)
         slot = min(set(range(self.workers)) - {r.slot for r in self.running.values()})
-        log_path = self.out / LOGS_DIR / f"{trial.id}.log"
-        with open(log_path, "ab") as fh:
-            start = fh.tell()
-            stamp = time.strftime("%Y-%m-%d %H:%M:%S")
-            if branched is not None:
-                fh.write(f"=== {stamp}: {branched}\n".encode())
-            fh.write(f"=== {stamp}: {' '.join(cmd[2:])}\n".encode())
-            fh.flush()
-            proc = subprocess.Popen(
-                cmd,
-                stdin=subprocess.DEVNULL,
-                stdout=fh,
-                stderr=subprocess.STDOUT,
-                env=self._env(slot),
-                preexec_fn=process.die_with_parent(),
-            )
-        self.running[trial.id] = _Running(trial, proc, slot, start)
+        resume = latest is not None
+        extra = []
+        if resume and trial.id in self.branches:  # its spec is still the long trial's
+            extra = [f"{sweep_branches.MAX_STEPS}={self._max_steps(trial)}"]
+        job = TrialJob(
+            run_dir=run,
+            log=self.out / LOGS_DIR / f"{trial.id}.log",
+            spec=self.plan.base,
+            overrides=extra if resume else list(trial.overrides),
+            resume=resume,
+            max_steps=self._max_steps(trial),
+            threads=self.threads,
+            gpu=slot % self.gpus if self.gpus > 1 else None,
+            note=branched,
+        )
+        proc = TrialProcess(job)
+        proc.start()
+        self.running[trial.id] = _Running(trial, proc, slot)
         self._set(trial, "running")
         resume_step = int(latest.name.removeprefix("step-")) if latest is not None else None
         display.started(trial, run, self._max_steps(trial), resume_step)
 
-    def _command(self, trial: Trial, run: Path, resume: bool) -> list[str]:
-        """``llmkit train`` for a trial: its base spec and overrides, or ``--resume``."""
-        cmd = [sys.executable, "-m", "llmkit.cli", "train"]
-        if resume:
-            cmd += ["--resume", str(run)]
-            if trial.id in self.branches:  # its spec is still the long trial's
-                cmd += ["--set", f"{sweep_branches.MAX_STEPS}={self._max_steps(trial)}"]
-        else:
-            cmd += [str(self.plan.base), "--out", str(run)]
-            for assignment in trial.overrides:
-                cmd += ["--set", assignment]
-        return [*cmd, "--no-sample", "--no-progress"]
-
-    def _env(self, slot: int) -> dict[str, str]:
-        env = dict(os.environ)
-        n = str(self.threads)
-        env.update(
-            OMP_NUM_THREADS=n,
-            MKL_NUM_THREADS=n,
-            RAYON_NUM_THREADS=n,
-            PYTHONUNBUFFERED="1",
-            HF_DATASETS_DISABLE_PROGRESS_BARS="1",
-        )
-        if self.gpus > 1:
-            env["CUDA_VISIBLE_DEVICES"] = str(slot % self.gpus)
-        return env
-
     def _finish(self, running: _Running, display: report.SweepProgress) -> None:
-        trial, rc = running.trial, running.proc.returncode
+        trial, ended = running.trial, running.proc.outcome()
         run = self._run_dir(trial)
-        tail = process.log_tail(self.out / LOGS_DIR / f"{trial.id}.log", running.log_from)
         state = trial_state(run, self._max_steps(trial))
         error = None
-        if rc == 0:
-            stopped = process.stop_reason(tail)
-            signalled = stopped is not None and stopped.startswith("SIG")
+        if ended.returncode == 0:
+            signalled = ended.stopped is not None and ended.stopped.startswith("SIG")
             status = "done" if state == "done" or not (self.stopping or signalled) else state
         elif self.stopping:
             status = state if state != "done" else "interrupted"
         else:
-            status, error = "failed", process.error_line(tail, rc)
+            status, error = "failed", ended.error
         self._set(trial, status, error)
         self._write()
         display.ended(trial, self.rows[trial.id])
@@ -573,9 +537,7 @@ class _Runner:
         """Send ``sig`` to every running trial (not waiting: the loop reaps them; this also
         runs in the signal handler)."""
         for r in self.running.values():
-            if r.proc.returncode is None:
-                with contextlib.suppress(ProcessLookupError):
-                    r.proc.send_signal(sig)
+            r.proc.stop(sig)
 
 
 def _spec_digest(path: Path) -> str:

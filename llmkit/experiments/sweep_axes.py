@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import (
-    AfterValidator,
     BaseModel,
     ConfigDict,
     Discriminator,
@@ -31,16 +30,21 @@ from pydantic import (
 )
 
 from llmkit.errors import LlmkitError, SpecError, validation_problems
+from llmkit.experiments.distributions import (
+    DISTRIBUTIONS,
+    Distribution,
+    ValueList,
+    table_keys,
+)
 
 #: A spec path an axis sets: dotted names (list elements by index), as ``--set`` takes them.
 PATH_PATTERN = re.compile(r"[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*")
 #: Characters a trial id keeps; every run of others becomes ``_``.
 _UNSAFE = re.compile(r"[^A-Za-z0-9._=+-]+")
 MAX_ID_LENGTH = 120
-#: Generated values (log/linear ranges, random draws) are rounded to this many significant
+#: Generated values of log/linear ranges are rounded to this many significant
 #: digits, so ``{log = [1e-4, 1e-2], num = 3}`` gives exactly 0.0001, 0.001 and 0.01.
 RANGE_DIGITS = 12
-SAMPLE_DIGITS = 6
 #: Which results column each ``metric`` names.
 METRIC_COLUMNS = {
     "val_loss": "final_val_loss",
@@ -51,32 +55,6 @@ METRIC_COLUMNS = {
 
 class _Table(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False, populate_by_name=True)
-
-
-def _check_value(value: Any) -> Any:
-    """A value ``--set`` can write: numbers, strings, booleans, lists and tables of them."""
-    if value is None:
-        raise ValueError("null cannot be set through --set; leave the key out instead")
-    if isinstance(value, float) and not math.isfinite(value):
-        raise ValueError(f"{value} is not a finite number")
-    if isinstance(value, list):
-        for v in value:
-            _check_value(v)
-    elif isinstance(value, dict):
-        for v in value.values():
-            _check_value(v)
-    elif not isinstance(value, bool | int | float | str):
-        raise ValueError(f"{value!r} is not a value a spec holds")
-    return value
-
-
-def _check_values(values: list[Any]) -> list[Any]:
-    for v in values:
-        _check_value(v)
-    return values
-
-
-ValueList = Annotated[list[Any], Field(min_length=1), AfterValidator(_check_values)]
 
 
 def spaced(lo: float, hi: float, num: int, *, log: bool, integer: bool) -> list[Any]:
@@ -150,88 +128,6 @@ Axis = Annotated[
         custom_error_type="axis",
         custom_error_message="an axis is a list of values, {log = [lo, hi], num = N} or "
         "{linear = [lo, hi], num = N} (a single value belongs in `set`)",
-    ),
-]
-
-
-class LogUniform(_Table):
-    """``{log_uniform = [lo, hi]}``: drawn uniformly in log space (lo, hi > 0)."""
-
-    log_uniform: tuple[float, float]
-    integer: bool = Field(False, description="Round each draw to an integer.")
-
-    @field_validator("log_uniform")
-    @classmethod
-    def _positive(cls, ends: tuple[float, float]) -> tuple[float, float]:
-        if min(ends) <= 0:
-            raise ValueError("log_uniform needs two values > 0")
-        return ends
-
-    @model_validator(mode="after")
-    def _has_integers(self) -> LogUniform:
-        if self.integer:
-            _integers(*self.log_uniform)
-        return self
-
-    def draw(self, rng: random.Random) -> Any:
-        if self.integer:
-            # Each integer k gets the log-width of [k − ½, k + ½] (the ends included whole).
-            a, b = _integers(*self.log_uniform)
-            value = math.exp(rng.uniform(math.log(a - 0.5), math.log(b + 0.5)))
-            return min(max(round(value), a), b)
-        lo, hi = (math.log(v) for v in self.log_uniform)
-        value = math.exp(rng.uniform(lo, hi))
-        return float(f"{value:.{SAMPLE_DIGITS}g}")
-
-
-class Uniform(_Table):
-    """``{uniform = [lo, hi]}``: drawn uniformly."""
-
-    uniform: tuple[float, float]
-    integer: bool = Field(False, description="Round each draw to an integer.")
-
-    @model_validator(mode="after")
-    def _has_integers(self) -> Uniform:
-        if self.integer:
-            _integers(*self.uniform)
-        return self
-
-    def draw(self, rng: random.Random) -> Any:
-        if self.integer:  # every integer of the range equally likely, the ends included
-            return rng.randint(*_integers(*self.uniform))
-        value = rng.uniform(*self.uniform)
-        return float(f"{value:.{SAMPLE_DIGITS}g}")
-
-
-def _integers(lo: float, hi: float) -> tuple[int, int]:
-    """The first and last integer of [lo, hi] (either order); none is a ValueError."""
-    a, b = math.ceil(min(lo, hi)), math.floor(max(lo, hi))
-    if a > b:
-        raise ValueError(f"no integer lies in [{lo}, {hi}]")
-    return a, b
-
-
-class Choice(_Table):
-    """``{choice = [a, b, ...]}``: one of the values, each equally likely."""
-
-    choice: ValueList
-
-    def draw(self, rng: random.Random) -> Any:
-        return rng.choice(self.choice)
-
-
-#: One random-search axis: a distribution to draw from.
-Distribution = Annotated[
-    Union[  # noqa: UP007
-        Annotated[LogUniform, Tag("log_uniform")],
-        Annotated[Uniform, Tag("uniform")],
-        Annotated[Choice, Tag("choice")],
-    ],
-    Discriminator(
-        lambda v: _kind(v, ("log_uniform", "uniform", "choice")),
-        custom_error_type="distribution",
-        custom_error_message="a random axis is {log_uniform = [lo, hi]}, "
-        "{uniform = [lo, hi]} or {choice = [values]}",
     ),
 ]
 
@@ -397,14 +293,8 @@ _TAGGED: dict[str, type[BaseModel] | None] = {
     "list": None,
     "log": LogRange,
     "linear": LinearRange,
-    "log_uniform": LogUniform,
-    "uniform": Uniform,
-    "choice": Choice,
+    **DISTRIBUTIONS,
 }
-
-
-def _keys(model: type[BaseModel]) -> list[str]:
-    return [f.alias or name for name, f in model.model_fields.items()]
 
 
 def _is_tag(loc: tuple[Any, ...], i: int) -> bool:
@@ -425,7 +315,7 @@ def _allowed(loc: tuple[Any, ...]) -> list[str]:
             table = _TAGGED[part] or table
         elif part == "random" and i == 0:
             table = RandomSearch
-    return _keys(table)
+    return table_keys(table)
 
 
 # -- trials -------------------------------------------------------------------------------------
@@ -538,7 +428,7 @@ def axis_paths(sweep: SweepFile) -> list[str]:
 def log_axes(sweep: SweepFile) -> set[str]:
     """The paths whose values are log-spaced (plotted on a log x axis)."""
     if sweep.random is not None:
-        return {p for p, d in sweep.random.axes.items() if isinstance(d, LogUniform)}
+        return {p for p, d in sweep.random.axes.items() if d.log}
     groups = [sweep.axes, *sweep.zipped]
     return {p for g in groups for p, a in g.items() if isinstance(a, LogRange)}
 

@@ -6,8 +6,6 @@ from __future__ import annotations
 import csv
 import io
 import json
-import math
-import os
 import re
 import time
 from collections.abc import Callable, Sequence
@@ -15,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from llmkit.experiments.sweep_axes import Trial
+from llmkit.experiments.trial import finite, read_records
 from llmkit.files import replacing, write_text_atomic
 
 #: The columns of ``results.csv`` around the axis columns (one per spec path the sweep varies).
@@ -43,68 +42,6 @@ BRANCH_COLUMN = "branched_from"
 def columns(axes: Sequence[str], extra: Sequence[str] = ()) -> list[str]:
     """Every results column, in order (``extra`` last: :data:`BRANCH_COLUMN`)."""
     return [*LEAD_COLUMNS, *axes, *TAIL_COLUMNS, *extra]
-
-
-def read_records(path: Path, tail_bytes: int | None = None) -> list[dict[str, Any]]:
-    """The JSON objects of a JSON-lines file (lines that do not parse are skipped); with
-    ``tail_bytes``, only those in its last bytes."""
-    try:
-        with open(path, "rb") as fh:
-            if tail_bytes is not None:
-                size = fh.seek(0, os.SEEK_END)
-                fh.seek(max(0, size - tail_bytes))
-            text = fh.read().decode("utf-8", errors="replace")
-    except OSError:
-        return []
-    out = []
-    for line in text.splitlines():
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(record, dict):
-            out.append(record)
-    return out
-
-
-def summarize(run_dir: Path) -> dict[str, Any]:
-    """A run's numbers from ``metrics.jsonl`` and its latest checkpoint: final and best val
-    loss, final training loss, steps, tokens and training seconds (the trainer's elapsed
-    time, carried across resumes)."""
-    records = read_records(run_dir / "metrics.jsonl")
-    train = [r for r in records if _finite(r.get("loss"))]
-    evals = [r for r in records if "val_loss" in r]
-    out: dict[str, Any] = {
-        "final_val_loss": None,
-        "best_val_loss": None,
-        "final_train_loss": None,
-        "steps": None,
-        "tokens": None,
-        "wall_s": None,
-    }
-    if train:
-        last = train[-1]
-        out.update(
-            final_train_loss=last["loss"],
-            steps=last.get("step"),
-            tokens=last.get("tokens"),
-            wall_s=last.get("elapsed"),
-        )
-    if evals:
-        vals = [r["val_loss"] for r in evals if _finite(r.get("val_loss"))]
-        out["final_val_loss"] = evals[-1].get("val_loss")
-        out["best_val_loss"] = evals[-1].get("best_val_loss", min(vals) if vals else None)
-        step = evals[-1].get("step")
-        if isinstance(step, int) and (out["steps"] is None or step > out["steps"]):
-            out["steps"] = step
-    latest = read_records(run_dir / "checkpoints" / "latest.json")
-    if latest and latest[0].get("step") == out["steps"] and "tokens" in latest[0]:
-        out["tokens"] = latest[0]["tokens"]  # exact at the last step, whatever log_interval
-    return out
-
-
-def _finite(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def accounting(rs: Any) -> dict[str, int | float]:
@@ -178,7 +115,7 @@ def plot_metric(
     """``metric`` against ``axis`` over the done trials: one line per combination of the
     ``others`` axes (a scatter when there are more than 8), each point the mean over seeds
     with bars from the lowest to the highest. False (nothing drawn) without a done trial."""
-    points = [r for r in rows if r.get("status") == "done" and _finite(r.get(metric))]
+    points = [r for r in rows if r.get("status") == "done" and finite(r.get(metric))]
     if not points:
         return False
     plt = _pyplot()
@@ -229,8 +166,8 @@ def plot_curves(runs: list[tuple[str, Path]], path: Path) -> bool:
     curves = []
     for name, run_dir in runs:
         records = read_records(run_dir / "metrics.jsonl")
-        train = [(r["step"], r["loss"]) for r in records if _finite(r.get("loss"))]
-        val = [(r["step"], r["val_loss"]) for r in records if _finite(r.get("val_loss"))]
+        train = [(r["step"], r["loss"]) for r in records if finite(r.get("loss"))]
+        val = [(r["step"], r["val_loss"]) for r in records if finite(r.get("val_loss"))]
         if train or val:
             curves.append((name, train, val))
     if not curves:
@@ -300,7 +237,7 @@ def draw_plots(
 
 
 def _fmt(value: Any) -> str:
-    return f"{value:.4f}" if _finite(value) else "-"
+    return f"{value:.4f}" if finite(value) else "-"
 
 
 class SweepProgress:
@@ -343,7 +280,7 @@ class SweepProgress:
     def set_status(self, trial: str, status: str, row: dict[str, Any] | None = None) -> None:
         self.status[trial] = status
         value = (row or {}).get(self.metric)
-        if status == "done" and _finite(value) and (self.best is None or value < self.best[0]):
+        if status == "done" and finite(value) and (self.best is None or value < self.best[0]):
             self.best = (value, trial)
 
     def counts(self) -> dict[str, int]:
@@ -369,7 +306,7 @@ class SweepProgress:
         what = row["status"]
         if what == "done":
             what += f": {self.metric} {_fmt(row.get(self.metric))}, {row.get('steps')} steps"
-            if _finite(row.get("wall_s")):
+            if finite(row.get("wall_s")):
                 what += f" in {row['wall_s']:.1f}s"
         elif what == "failed" and row.get("error"):
             what += f": {row['error']}"

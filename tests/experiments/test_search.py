@@ -1,10 +1,11 @@
 """``llmkit search``: Optuna studies over spec paths — validation before any trial, trials
-as run directories, pruning on the trainer's validation loss, and a study that goes on
-(rerun, or another process on the same storage)."""
+as run directories trained by the trial runner sweeps use, pruning on the trainer's
+validation loss, and a study that goes on (rerun, or another process on the same storage)."""
 
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -73,6 +74,10 @@ def test_a_study_prunes_poor_trials_and_goes_on_where_it_stopped(tmp_path):
             assert row["steps"] == 9
     slow_late = [r for r in rows[2:] if r["optimizer.lr"] == 1e-6]
     assert slow_late and all(r["state"] == "PRUNED" and r["steps"] < 9 for r in slow_late)
+    for row in slow_late:  # judged at step 3, stopped by the trial runner: SIGTERM, one step
+        assert row["last_reported_step"] == 3
+        log = (out / "logs" / f"trial-{row['trial']:04d}.log").read_text()
+        assert "(SIGTERM)" in log and "Traceback" not in log
     assert result.best["optimizer.lr"] == 0.02
     assert (out / "results.csv").is_file() and (out / "plots" / "history.png").is_file()
     # rerun: nothing left to do; more trials asked for: only those run
@@ -122,20 +127,26 @@ def test_table_choices_reach_the_trials_as_tables(tmp_path):
 
 
 def test_a_search_whose_trials_all_fail_stops_and_says_why(tmp_path, monkeypatch):
-    import llmkit.training
+    """Each trial is an ``llmkit train`` process started by the trial runner sweeps use
+    too; here a stand-in that fails as the CLI does (its ``error:`` line, exit 2)."""
+    from llmkit.experiments import trial as trial_runner
 
-    calls: list[int] = []
+    calls: list[Path] = []
 
-    def failing(*_args, **_kwargs):
-        calls.append(1)
+    def failing(job):
+        calls.append(job.run_dir)
         if len(calls) > 20:
             raise SystemExit("the search never stopped")
-        raise RuntimeError("out of memory (simulated)")
+        script = "import sys; print('error: out of memory (simulated)'); sys.exit(2)"
+        return [sys.executable, "-c", script]
 
-    monkeypatch.setattr(llmkit.training, "train", failing)
+    monkeypatch.setattr(trial_runner, "train_command", failing)
     path = write_search(tmp_path, '[params]\n"optimizer.lr" = { log_uniform = [1e-4, 1e-2] }\n')
     said: list[str] = []
     result = run_search(path, out=tmp_path / "out", trials=3, log=said.append)
     assert len(calls) == 3 and result.best is None
     assert [r["state"] for r in result.rows] == ["FAIL"] * 3
+    assert [r["error"] for r in result.rows] == ["out of memory (simulated)"] * 3
     assert any("3 trials failed" in m and "out of memory (simulated)" in m for m in said)
+    log = (tmp_path / "out" / "logs" / "trial-0000.log").read_text()
+    assert "error: out of memory (simulated)" in log

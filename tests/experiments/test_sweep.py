@@ -141,7 +141,7 @@ def test_random_samples_are_reproducible_from_their_seed():
                     "seed": seed,
                     "axes": {
                         "optimizer.lr": {"log_uniform": [1e-4, 1e-2]},
-                        "model.n_layers": {"uniform": [1, 8], "integer": True},
+                        "model.n_layers": {"int": [1, 8]},
                         "model.norm": {"choice": [{"name": "rmsnorm"}, {"name": "layernorm"}]},
                     },
                 },
@@ -372,13 +372,12 @@ print("done: 4 steps, 512 tokens in 1.0s (max_steps); val loss 2.2500; run: " + 
 
 
 def fake_trainer(monkeypatch: pytest.MonkeyPatch, script: str) -> None:
-    """Trials run ``script`` (given the trial's run directory) instead of ``llmkit train``."""
-    from llmkit.experiments import sweep as sweep_mod
+    """Trials run ``script`` (given the trial's run directory) instead of ``llmkit train``:
+    the trial runner's one command, shared with ``llmkit search``."""
+    from llmkit.experiments import trial
 
     monkeypatch.setattr(
-        sweep_mod._Runner,
-        "_command",
-        lambda self, trial, run, resume: [sys.executable, "-c", script, str(run)],
+        trial, "train_command", lambda job: [sys.executable, "-c", script, str(job.run_dir)]
     )
 
 
@@ -594,15 +593,15 @@ def test_integer_draws_give_every_integer_of_the_range_its_share():
     import random
     from collections import Counter
 
-    from llmkit.experiments.sweep_axes import LogUniform, Uniform
+    from llmkit.experiments.distributions import Int
 
     rng = random.Random(0)
-    flat = Counter(Uniform(uniform=(2, 8), integer=True).draw(rng) for _ in range(14_000))
+    flat = Counter(Int(int=(2, 8)).draw(rng) for _ in range(14_000))
     assert sorted(flat) == list(range(2, 9))
     assert all(abs(n / 14_000 - 1 / 7) < 0.015 for n in flat.values())  # the ends too
-    log = Counter(LogUniform(log_uniform=(1, 8), integer=True).draw(rng) for _ in range(14_000))
+    log = Counter(Int(int=(1, 8), log=True).draw(rng) for _ in range(14_000))
     share = {k: math.log((k + 0.5) / (k - 0.5)) / math.log(8.5 / 0.5) for k in range(1, 9)}
     assert sorted(log) == list(range(1, 9))
     assert all(abs(log[k] / 14_000 - share[k]) < 0.015 for k in share)
-    with pytest.raises(ValueError, match="no integer"):
-        Uniform(uniform=(2.2, 2.8), integer=True)
+    with pytest.raises(ValueError, match="valid integer"):
+        Int(int=(2.2, 2.8))
