@@ -32,9 +32,13 @@ no-fixture: $(STAMP)
 demo: $(STAMP) no-fixture
 	$(BIN)/llmkit train specs/tiny.toml
 
+# The suite runs on every core (pytest-xdist), each test file on one worker so its module
+# fixtures are built once; the benchmarks run alone, as they time things.
+TEST_WORKERS ?= auto
+
 test: $(STAMP) no-fixture
 	$(BIN)/ruff check llmkit tests benchmarks plugins
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q tests -n $(TEST_WORKERS) --dist loadfile
 	$(BIN)/python -m pytest -q benchmarks --benchmark-disable
 
 bench: $(STAMP)

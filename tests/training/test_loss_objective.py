@@ -174,14 +174,14 @@ def test_a_run_with_a_loss_component_resumes_exactly(tmp_path, loss):
     spec = write_spec(
         tmp_path,
         loss,
-        max_steps=80,
-        eval_interval=40,
+        max_steps=40,
+        eval_interval=20,
         checkpoint_interval=10,
         batch_size=8,
     )
-    full, run, killed_at = train_killed_and_resumed(spec, tmp_path, kill_at=20, plugins="losses")
-    assert killed_at < 80
-    assert losses(run) == losses(full) and len(losses(full)) == 80
+    full, run, killed_at = train_killed_and_resumed(spec, tmp_path, kill_at=10, plugins="losses")
+    assert killed_at < 40
+    assert losses(run) == losses(full) and len(losses(full)) == 40
     assert val_losses(run) == val_losses(full)
     keys = [set(m) for m in read_metrics(run) if "loss" in m]
     if loss["name"] == "z_loss":

@@ -195,13 +195,13 @@ def test_a_resume_that_cannot_continue_leaves_the_run_as_it_was(trained, overrid
 
 def test_resume_after_a_kill_reproduces_the_uninterrupted_losses(tmp_path):
     spec = write_spec(
-        tmp_path, max_steps=240, eval_interval=40, checkpoint_interval=20, batch_size=8
+        tmp_path, max_steps=120, eval_interval=40, checkpoint_interval=20, batch_size=8
     )
-    full, run, killed_at = train_killed_and_resumed(spec, tmp_path, kill_at=60)
-    assert killed_at < 240
+    full, run, killed_at = train_killed_and_resumed(spec, tmp_path, kill_at=40)
+    assert killed_at < 120
     assert losses(run) == losses(full)
     assert val_losses(run) == val_losses(full)
-    assert len(losses(full)) == 240
+    assert len(losses(full)) == 120
 
 
 def test_cli_eval_and_generate(tmp_path):
