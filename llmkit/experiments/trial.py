@@ -168,15 +168,9 @@ def read_records(path: Path, tail_bytes: int | None = None) -> list[dict[str, An
             text = fh.read().decode("utf-8", errors="replace")
     except OSError:
         return []
-    out = []
-    for line in text.splitlines():
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(record, dict):
-            out.append(record)
-    return out
+    from llmkit.runs.metrics import parse_records
+
+    return parse_records(text)
 
 
 def finite(value: Any) -> bool:

@@ -16,6 +16,20 @@ from llmkit.files import replacing, writing
 PLOT_EVERY_S = 30.0
 
 
+def parse_records(text: str) -> list[dict[str, Any]]:
+    """The JSON objects of ``metrics.jsonl`` text, one a line; a line that is not one (cut
+    short by a crash, or still being written) is skipped."""
+    records = []
+    for line in text.splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict):
+            records.append(record)
+    return records
+
+
 class MetricsLog:
     """``metrics.jsonl``: one JSON object per line."""
 
@@ -36,15 +50,7 @@ class MetricsLog:
         written) is skipped."""
         if not self.path.is_file():
             return []
-        records = []
-        for line in self.path.read_text(encoding="utf-8", errors="replace").splitlines():
-            try:
-                record = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(record, dict):
-                records.append(record)
-        return records
+        return parse_records(self.path.read_text(encoding="utf-8", errors="replace"))
 
     def write(self, record: dict[str, Any]) -> None:
         """Append ``record``; a NaN or infinite value is written as null (strict JSON)."""
