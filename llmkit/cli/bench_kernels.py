@@ -135,6 +135,8 @@ def run_cli(args: Any) -> int:
                 f" {c.header}={r[c.field]}" for c in adapter.columns[:-1] if r.get(c.field)
             )
             what = format_time(r["median_s"]) if r["status"] == "ok" else r["status"]
+            if r.get("spread") is not None:
+                what += f", spread {r['spread'] * 100:.0f}%"
             print(f"  {r['component']} {r['mode']} {size}{dim}: {what}", file=sys.stderr)
 
     torch.set_num_threads(threads)
@@ -156,7 +158,8 @@ def run_cli(args: Any) -> int:
     shape = adapter.shape_note(records)
     con.print(
         f"{kind} kernels on {device_name(device)} ({device}, {dtype_name(dtype)}, "
-        f"{threads} thread{'s' if threads != 1 else ''}{shape}); median of {repeats} repeats",
+        f"{threads} thread{'s' if threads != 1 else ''}{shape}); median of {repeats} repeats, "
+        "spread = (slowest − fastest) / median",
         markup=False,
     )
     con.print(rich_table(records, baseline))

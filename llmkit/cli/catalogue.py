@@ -373,7 +373,6 @@ def run_validate(args: argparse.Namespace) -> int:
     from rich.markup import escape
 
     from llmkit.errors import SpecError
-    from llmkit.model import build_problems
 
     warn_failures(registry())
     failed = 0
@@ -389,7 +388,11 @@ def run_validate(args: argparse.Namespace) -> int:
             failed += 1
             err.print(f"[red]✗[/] {escape(str(exc))}", markup=True)
             continue
-        # What only the components know (e.g. RoPE's even rotary dims): build it.
+        # What only the components know (e.g. RoPE's even rotary dims): build it. Imported
+        # here, not above: a spec that does not load (a TOML error, a missing `requires`)
+        # is reported without importing torch.
+        from llmkit.model import build_problems
+
         problems = build_problems(rs)
         if problems:
             failed += 1

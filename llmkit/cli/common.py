@@ -4,6 +4,7 @@ formats and argparse value types. Nothing here imports torch at module level."""
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import sys
 from collections.abc import Callable
@@ -12,21 +13,62 @@ from typing import Any
 EXIT_USER_ERROR = 2
 
 
+#: Off a terminal (a pipe, a file) a table is laid out this wide rather than rich's 80
+#: columns, so that each row stays one line and no key or path is split.
+PIPE_WIDTH = 100_000
+
+
 def console(stderr: bool = False) -> Any:
-    """A rich console (imported on use)."""
+    """A rich console (imported on use). Text is never wrapped (``soft_wrap``); a table
+    from :func:`table` folds its cells to a terminal's width, and off a terminal keeps
+    each row on one line."""
     from rich.console import Console
 
     return Console(stderr=stderr, highlight=False, soft_wrap=True)
 
 
 def table(*columns: str, title: str | None = None) -> Any:
-    """A borderless rich table with folding columns."""
-    from rich.table import Table
-
-    out = Table(title=title, title_justify="left", box=None, pad_edge=False)
+    """A borderless rich table: on a terminal its columns fold to the terminal's width;
+    printed to a pipe or a file, each row is one line however long (no fold, no crop)."""
+    out = _table_class()(title=title, title_justify="left", box=None, pad_edge=False)
     for col in columns:
         out.add_column(col, overflow="fold")
     return out
+
+
+@functools.cache
+def _table_class() -> type:
+    """``rich.table.Table`` that, off a terminal, is laid out :data:`PIPE_WIDTH` wide
+    (rich's own width there is 80 columns, or ``$COLUMNS``) and ends its lines without the
+    cells' padding. Its lines are not cropped because :func:`console` prints with
+    ``soft_wrap``."""
+    from rich.segment import Segment
+    from rich.table import Table
+
+    def piped(console: Any) -> bool:
+        return not console.is_terminal and not console.is_jupyter
+
+    class PipeTable(Table):
+        def __rich_console__(self, console: Any, options: Any) -> Any:
+            if not piped(console):
+                yield from super().__rich_console__(console, options)
+                return
+            wide = options.update_width(max(options.max_width, PIPE_WIDTH))
+            for line in Segment.split_lines(super().__rich_console__(console, wide)):
+                while line and not line[-1].control and not line[-1].text.rstrip():
+                    line.pop()
+                if line and not line[-1].control:
+                    last = line[-1]
+                    line[-1] = Segment(last.text.rstrip(), last.style)
+                yield from line
+                yield Segment.line()
+
+        def __rich_measure__(self, console: Any, options: Any) -> Any:
+            if piped(console):
+                options = options.update_width(max(options.max_width, PIPE_WIDTH))
+            return super().__rich_measure__(console, options)
+
+    return PipeTable
 
 
 def registry() -> Any:

@@ -42,11 +42,28 @@ def _cell(value: Any) -> str:
     return str(value)
 
 
+#: How the table labels the rows that hold a run's objective (not a cross-entropy when the
+#: ``objective`` row names another loss).
+OBJECTIVE_ROWS = {
+    "val_loss": "val_loss (objective)",
+    "best_val_loss": "best_val_loss (objective)",
+    "train_loss": "train_loss (objective)",
+}
+
+
 def run_compare(args: argparse.Namespace) -> int:
-    from llmkit.experiments.compare import compare, differences, metric_table, plot_curves
+    from llmkit.experiments.compare import (
+        RANK_METRIC,
+        best_run,
+        compare,
+        differences,
+        metric_table,
+        plot_curves,
+    )
 
     runs = compare(args.runs)
     diff, metrics = differences(runs), metric_table(runs)
+    best = best_run(runs)
     if args.plot:
         plot_curves(runs, Path(args.plot), x=args.x)
     if args.json:
@@ -56,6 +73,7 @@ def run_compare(args: argparse.Namespace) -> int:
                     "runs": [{"label": r.label, "path": str(r.path)} for r in runs],
                     "differences": diff,
                     "metrics": metrics,
+                    "best": {"metric": RANK_METRIC, "run": best.label if best else None},
                 },
                 indent=2,
             )
@@ -70,8 +88,11 @@ def run_compare(args: argparse.Namespace) -> int:
         con.print(out if diff else "the specs are the same")
     out = table("metric", *labels, title="metrics")
     for key, values in metrics.items():
-        out.add_row(key, *(_cell(v) for v in values))
+        out.add_row(OBJECTIVE_ROWS.get(key, key), *(_cell(v) for v in values))
     con.print(out)
+    if best is not None:
+        value = _cell(best.metrics[RANK_METRIC])
+        con.print(f"best by {RANK_METRIC} (cross-entropy): {best.label} ({value})", markup=False)
     if args.plot:
         con.print(f"curves: {args.plot}", markup=False)
     return 0

@@ -31,7 +31,11 @@ def register_commands(register: Callable[..., Any]) -> None:
 
 def configure_eval(p: argparse.ArgumentParser) -> None:
     p.add_argument("run", help="run directory or checkpoint directory")
-    p.add_argument("--data", help="a text file (default: the run's validation split)")
+    p.add_argument(
+        "--data",
+        help="a text file (default: the run's validation split; a run without data of its "
+        "own, such as an imported checkpoint, needs --data or --task)",
+    )
     p.add_argument("--weights", choices=WEIGHTS, default="final")
     p.add_argument("--batch-size", type=at_least(1), default=8)
     p.add_argument("--device", default="auto")
@@ -88,6 +92,15 @@ def run_eval(args: argparse.Namespace) -> int:
     from llmkit.runs import load_run
 
     tasks = _load_tasks(args.task)  # a bad task fails before the model loads
+    validation = args.data is None and (not tasks or args.quantize)
+    if validation:  # a run without data of its own fails before the model loads, too
+        from llmkit.evaluation.perplexity import no_data_message, no_data_of_its_own
+        from llmkit.runs import open_run
+
+        found = open_run(args.run)
+        reason = no_data_of_its_own(found.dir, found.resolve())
+        if reason is not None:
+            raise LlmkitError(no_data_message(found.dir, reason))
     run = load_run(args.run, which=args.weights)
     device = hardware.choose_device(args.device)
     run.model.to(device)
@@ -134,6 +147,21 @@ def _perplexity(con: Any, run: Any, args: argparse.Namespace, device: Any) -> di
             device=device,
         )
 
+    try:
+        return _report(con, run, text, evaluate, args, context, stride)
+    finally:
+        text.close()  # the scratch directory a validation split was prepared in
+
+
+def _report(
+    con: Any,
+    run: Any,
+    text: Any,
+    evaluate: Callable[[Any], Any],
+    args: argparse.Namespace,
+    context: int,
+    stride: int,
+) -> dict[str, Any]:
     res = evaluate(run.model)
     windows = f", windows of {context} moving by {stride}" if stride != context else ""
     con.print(f"{run.weights} on {text.source}: {res.tokens:,} tokens{windows}", markup=False)

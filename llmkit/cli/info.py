@@ -3,7 +3,9 @@
 The model is built on the ``meta`` device, so even a 7B spec is described instantly without
 allocating memory. The argument is a spec file or, when no such file exists, a preset's name
 (``llmkit info mistral-7b``). The per-layer table has one column per per-layer kind in the registry,
-so a kind a plugin declares appears without edits here.
+so a kind a plugin declares appears without edits here. The FLOPs and training-memory
+lines name the batch and context they assume: ``--batch-size`` (8) and ``--seq-len``, by
+default the spec's ``data.block_size``, else ``max_seq_len`` up to 2048.
 """
 
 from __future__ import annotations
@@ -28,6 +30,10 @@ from llmkit.cli.common import (
 )
 from llmkit.errors import LlmkitError
 
+#: The context ``llmkit info`` assumes for a model without ``data.block_size`` whose
+#: ``max_seq_len`` is longer (a preset's 131,072 would estimate terabytes per step).
+PRACTICAL_CONTEXT = 2048
+
 
 def register_commands(register: Callable[..., Any]) -> None:
     register(
@@ -44,9 +50,18 @@ def configure_info(p: argparse.ArgumentParser) -> None:
     )
     add_set(p)
     p.add_argument(
-        "--batch-size", type=at_least(1), default=8, help="batch for the memory estimate"
+        "--batch-size",
+        type=at_least(1),
+        default=8,
+        help="sequences per step for the memory estimate (default: 8)",
     )
-    p.add_argument("--seq-len", type=at_least(1), default=None, help="default: max_seq_len")
+    p.add_argument(
+        "--seq-len",
+        type=at_least(1),
+        default=None,
+        help="context (tokens per sequence) for the FLOPs and memory estimates (default: the "
+        f"spec's data.block_size, else max_seq_len up to {PRACTICAL_CONTEXT})",
+    )
     p.add_argument("--json", action="store_true", help="also print the numbers as JSON")
 
 
@@ -68,6 +83,21 @@ def layer_table(rs: Any, slots: list[str]) -> tuple[list[str], list[tuple[str, .
             out.append((label, *rows[start]))
             start = j
     return [slots[i] for i in keep], out
+
+
+def estimate_context(
+    seq_len: int | None, block_size: int | None, max_seq_len: int
+) -> tuple[int, str]:
+    """The context the FLOPs and memory estimates assume, and why: ``--seq-len``, else the
+    spec's ``data.block_size`` (what training uses), else ``max_seq_len`` capped at
+    :data:`PRACTICAL_CONTEXT`."""
+    if seq_len is not None:
+        return seq_len, "--seq-len"
+    if block_size is not None:
+        return block_size, "data.block_size"
+    if max_seq_len <= PRACTICAL_CONTEXT:
+        return max_seq_len, "max_seq_len"
+    return PRACTICAL_CONTEXT, f"max_seq_len {max_seq_len:,} capped at {PRACTICAL_CONTEXT:,}"
 
 
 def spec_source(arg: str) -> str:
@@ -118,7 +148,7 @@ def run_info(args: argparse.Namespace) -> int:
     for row in rows:
         layers.add_row(*row)
     con.print(layers)
-    seq = args.seq_len or m.max_seq_len
+    seq, why = estimate_context(args.seq_len, rs.spec.data.block_size, m.max_seq_len)
     batch = args.batch_size
     total, non_emb, active = (
         model.num_params(),
@@ -140,10 +170,12 @@ def run_info(args: argparse.Namespace) -> int:
         f"KV cache:            {human_bytes(kv)}/token (fp32), {human_bytes(kv // 2)}/token (bf16)"
     )
     con.print(
-        f"training step memory @ batch {batch} × {seq} (fp32 weights, AdamW, bf16 "
-        f"activations, estimate): {human_bytes(mem['total'])} = weights "
+        f"training step memory @ batch {batch} × context {seq:,} (context: {why}; choose "
+        f"with --batch-size, --seq-len): {human_bytes(mem['total'])} = weights "
         f"{human_bytes(mem['weights'])} + grads {human_bytes(mem['gradients'])} + optimizer "
-        f"{human_bytes(mem['optimizer'])} + activations {human_bytes(mem['activations'])}"
+        f"{human_bytes(mem['optimizer'])} + activations {human_bytes(mem['activations'])} "
+        "(estimate: fp32 weights, AdamW, bf16 activations)",
+        markup=False,
     )
     chosen = [  # every kind chosen once per spec (optimizer, schedule, a plugin's loss...)
         f"{k.name}: {ref(res)}"
@@ -161,6 +193,8 @@ def run_info(args: argparse.Namespace) -> int:
                     "active_params": active,
                     "flops_per_token": flops,
                     "training_memory": mem,
+                    "batch_size": batch,
+                    "seq_len": seq,
                     "kv_cache_bytes_per_token": kv,
                 }
             )

@@ -19,7 +19,7 @@ def register_commands(register: Callable[..., Any]) -> None:
     register(
         "export-hf",
         run_export,
-        help="a run as a Hugging Face checkpoint directory (transformers loads it)",
+        help="a run as a Hugging Face checkpoint directory (a native family, else remote code)",
         configure=configure_export,
     )
 
@@ -44,6 +44,12 @@ def configure_export(p: argparse.ArgumentParser) -> None:
         help="weights' dtype; auto: the imported checkpoint's, else float32",
     )
     p.add_argument("--weights", choices=WEIGHTS, default="final")
+    p.add_argument(
+        "--native-only",
+        action="store_true",
+        help="refuse a model no native transformers family holds (each family's reason) "
+        "instead of exporting it as llmkit remote code",
+    )
 
 
 def run_import(args: argparse.Namespace) -> int:
@@ -62,6 +68,9 @@ def run_import(args: argparse.Namespace) -> int:
 def run_export(args: argparse.Namespace) -> int:
     from llmkit.interop.runs import export_hf
 
-    files = export_hf(args.run, args.out, dtype=args.dtype, which=args.weights)
-    console().print(f"exported {args.run} -> {args.out}: {', '.join(files)}", markup=False)
+    done = export_hf(
+        args.run, args.out, dtype=args.dtype, which=args.weights, native_only=args.native_only
+    )
+    line = f"exported {args.run} -> {args.out} as {done.how()}: {', '.join(done.files)}"
+    console().print(line, markup=False)
     return 0

@@ -210,6 +210,20 @@ def run_fit(args: argparse.Namespace) -> int:
     return 0
 
 
+def bootstrap_count(boot: Any) -> str:
+    """How many bootstrap refits the intervals rest on, against how many were asked for, and
+    how many resamples could not be fitted (too few distinct points, or no convergence)."""
+    got, asked, failed = len(boot.samples), boot.requested, boot.failed
+    refits = f"bootstrap refit{'s' if asked != 1 else ''}"
+    if got < asked:
+        return (
+            f"{got} of {asked} {refits} converged ({failed} of {got + failed} resamples "
+            "failed: too few distinct points, or no fit)"
+        )
+    again = f" ({failed} failed resample{'s' if failed != 1 else ''} drawn again)"
+    return f"{got} {refits}" + (again if failed else "")
+
+
 def _print_fit(con: Any, fit: Any, boot: Any, iso: Any, level: float) -> None:
     k = f"{fit.k:.3g} (the points' own C)" if fit.k is not None else "6 (no C given: 6ND)"
     con.print(
@@ -226,7 +240,7 @@ def _print_fit(con: Any, fit: Any, boot: Any, iso: Any, level: float) -> None:
     for name, value in values.items():
         rows.add_row(names.get(name, name), _plain(value), _range(intervals.get(name), _plain))
     con.print(rows)
-    extra = f"; {len(boot.samples)} bootstrap refits" if boot is not None else "; no bootstrap"
+    extra = f"; {bootstrap_count(boot)}" if boot is not None else "; no bootstrap"
     con.print(f"rms log residual {fit.rms_log_residual():.3g}{extra}", markup=False)
     if iso is None:
         return
@@ -297,6 +311,8 @@ def run_plan(args: argparse.Namespace) -> int:
         )
     if not iv:
         con.print("note: no bootstrap refits, so no intervals", markup=False)
+    elif boot is not None and len(boot.samples) < boot.requested:
+        con.print(f"note: the intervals rest on {bootstrap_count(boot)}", markup=False)
     ratio = report["extrapolation"]
     if ratio is not None and ratio > 10:
         con.print(

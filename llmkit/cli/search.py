@@ -8,7 +8,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from llmkit.cli.common import at_least, console, table
+from llmkit.cli.common import add_set, at_least, console, seconds, table
 
 
 def register_commands(register: Callable[..., Any]) -> None:
@@ -42,22 +42,36 @@ def configure_search(p: argparse.ArgumentParser) -> None:
         type=at_least(1),
         help="CPU threads of each trial (default: the usable cores divided by --workers)",
     )
+    add_set(p, help="dotted override of every trial (after the file's `set`), as llmkit train's")
+    p.add_argument(
+        "--max-steps",
+        type=at_least(1),
+        help="every trial's optimizer steps, as llmkit train --max-steps (a longer warmup is "
+        "scaled down to fit)",
+    )
+    p.add_argument(
+        "--max-time", type=seconds, help="stop each trial after this many seconds of training"
+    )
 
 
 def run_search_command(args: argparse.Namespace) -> int:
-    from llmkit.experiments.search import check_search, read_search, run_search
+    from llmkit.experiments.search import check_search, prepare_search, run_search
     from llmkit.experiments.trial import threads_per_worker
 
-    search, where = read_search(args.search_file)
-    check_search(search, where / search.base)  # every problem before any process starts
+    search, base = prepare_search(
+        args.search_file, trials=args.trials, overrides=args.set, max_steps=args.max_steps
+    )
+    check_search(search, base, args.max_steps)  # every problem before any process starts
     threads = args.threads or threads_per_worker(args.workers)
     helpers: list[subprocess.Popen[bytes]] = []
     if args.workers > 1:
         argv = [sys.executable, "-m", "llmkit.cli", "search", args.search_file]
         argv += ["--threads", str(threads)]  # each trial's share, as this process's
-        for flag in ("out", "trials", "storage"):
+        for flag in ("out", "trials", "storage", "max_steps", "max_time"):
             if getattr(args, flag) is not None:
-                argv += [f"--{flag}", str(getattr(args, flag))]
+                argv += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+        for assignment in args.set or []:
+            argv += ["--set", assignment]
         helpers = [  # each its own sampler seed: the file's, plus its worker number
             subprocess.Popen(
                 [*argv, "--seed-offset", str(args.seed_offset + i * 1000)],
@@ -75,6 +89,9 @@ def run_search_command(args: argparse.Namespace) -> int:
             seed_offset=args.seed_offset,
             threads=threads,
             log=lambda m: con.print(m, markup=False),
+            overrides=args.set,
+            max_steps=args.max_steps,
+            max_time=args.max_time,
         )
     finally:
         codes = [h.wait() for h in helpers]
@@ -82,6 +99,7 @@ def run_search_command(args: argparse.Namespace) -> int:
         result = run_search(
             args.search_file, out=args.out, trials=args.trials, storage=args.storage,
             seed_offset=args.seed_offset, log=lambda m: con.print(m, markup=False),
+            overrides=args.set, max_steps=args.max_steps, max_time=args.max_time,
         )  # fmt: skip
     if any(codes):
         con.print(f"{sum(1 for c in codes if c)} worker process(es) failed", markup=False)
@@ -92,7 +110,8 @@ def run_search_command(args: argparse.Namespace) -> int:
     if result.best is not None:
         out = table("best trial", "value")
         for key, value in result.best.items():
-            out.add_row(str(key), str(value))
+            if value is not None:  # pruned_at, error: not of a completed trial
+                out.add_row(str(key), str(value))
         con.print(out)
     con.print(f"results: {result.out / 'results.csv'}, plots in {result.out / 'plots'}")
     return 0 if result.best is not None else 1

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -82,15 +83,32 @@ def _train(args: argparse.Namespace) -> int:
         )
     if result.rank != 0:
         return 0  # rank 0 reports for the job
-    val = f"{result.val_loss:.4f}" if result.val_loss is not None else "n/a"
-    console().print(
-        f"done: {result.step} steps, {result.tokens:,} tokens in {result.seconds:.1f}s "
-        f"({result.stopped}); val loss {val}; run: {result.run_dir}",
-        markup=False,
-    )
+    console().print(done_line(result), markup=False)
     if not args.no_sample:
         print_sample(result)
     return 0
+
+
+def done_line(result: Any) -> str:
+    """``done: 30 steps, 3,840 tokens in 12.3s (max_steps); val loss: ce 4.1234 (ppl
+    61.76); run: RUN``: the validation cross-entropy first, whatever the objective, and the
+    objective beside it, named, when it is another (``, objective distill 3.3200``); the
+    trained tokens beside the tokens when padding or masked prompts were not trained
+    (``61,440 tokens (211 trained)``). ``(reason); val loss`` is what sweeps read the
+    stop reason from."""
+    tokens = f"{result.tokens:,} tokens"
+    trained = result.trained_tokens
+    if trained is not None and trained != result.tokens:
+        tokens += f" ({trained:,} trained)"
+    ce, val = result.val_ce, "n/a"
+    if ce is not None:
+        val = f"ce {ce:.4f} (ppl {math.exp(min(ce, 80.0)):.2f})"
+        if result.objective != "cross_entropy" and result.val_loss is not None:
+            val += f", objective {result.objective} {result.val_loss:.4f}"
+    return (
+        f"done: {result.step} steps, {tokens} in {result.seconds:.1f}s "
+        f"({result.stopped}); val loss: {val}; run: {result.run_dir}"
+    )
 
 
 def print_sample(result: Any) -> None:

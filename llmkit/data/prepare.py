@@ -23,7 +23,7 @@ import numpy as np
 from llmkit.data.chat import ChatEncoder, ChatTemplateError
 from llmkit.data.samplers import padded_examples, trainable_blocks
 from llmkit.data.store import DataStore, recipe_key
-from llmkit.data.tokenizer import UNK, Tokenizer, build_tokenizer
+from llmkit.data.tokenizer import UNK, Tokenizer, build_tokenizer, on_terminal
 from llmkit.data.tokens import (
     FORMAT_VERSION,
     TokenFile,
@@ -57,6 +57,37 @@ class PreparedData:
     key: str = ""
 
 
+@contextmanager
+def library_progress_bars(enabled: bool | None = None) -> Iterator[None]:
+    """Within it, the progress bars of ``datasets`` and ``huggingface_hub`` are shown only
+    when ``enabled`` (default: stderr is a terminal): off a terminal their carriage-return
+    redraws ("tokenizing train:  40%|...") would fill a log. What it turned off is turned
+    back on when it ends; it never turns bars on."""
+    if on_terminal() if enabled is None else enabled:
+        yield
+        return
+    import datasets.config
+    import datasets.utils as ds_bars
+    import huggingface_hub.constants as hub_config
+    import huggingface_hub.utils as hub_bars
+
+    undo: list[Callable[[], None]] = []
+    # HF_DATASETS_DISABLE_PROGRESS_BARS=0 (HF_HUB_...=0) asks for the bars everywhere
+    forced_on = datasets.config.HF_DATASETS_DISABLE_PROGRESS_BARS is False
+    if not forced_on and not ds_bars.are_progress_bars_disabled():
+        ds_bars.disable_progress_bars()
+        undo.append(ds_bars.enable_progress_bars)
+    forced_on = hub_config.HF_HUB_DISABLE_PROGRESS_BARS is False
+    if not forced_on and not hub_bars.are_progress_bars_disabled():
+        hub_bars.disable_progress_bars()
+        undo.append(hub_bars.enable_progress_bars)
+    try:
+        yield
+    finally:
+        for restore in reversed(undo):
+            restore()
+
+
 def prepare_data(
     rs: ResolvedSpec,
     run_dir: str | Path,
@@ -68,10 +99,19 @@ def prepare_data(
     each split into a cached token file, reusing files made before: the run's own, or with
     ``data.shared_cache`` those an earlier run kept in the shared store
     (:mod:`llmkit.data.store`). The corpus is only loaded (``source.splits``) when something
-    has to be made from it."""
+    has to be made from it.
+
+    Progress bars of the libraries it calls (``datasets``' loading and tokenizing) show on
+    a terminal only (:func:`library_progress_bars`)."""
+    with library_progress_bars():
+        return _prepare_data(rs, Path(run_dir), tokenizer, log)
+
+
+def _prepare_data(
+    rs: ResolvedSpec, run_dir: Path, tokenizer: Tokenizer | None, log: Callable[[str], None]
+) -> PreparedData:
     if rs.dataset is None:
         raise LlmkitError("no dataset source: the registry has no 'dataset' kind")
-    run_dir = Path(run_dir)
     spec = rs.spec
     seed = spec.train.seed if spec.data.seed is None else spec.data.seed
     source_options = rs.dataset.to_dict()
@@ -437,18 +477,19 @@ def _map(
     """``datasets.map`` of ``encoder`` over ``columns`` in batches, cached beside ``path``
     (``<path>.arrow``, see :func:`map_cache`)."""
     procs = min(num_proc, max(len(ds), 1))
-    return ds.map(
-        encoder,
-        batched=True,
-        batch_size=_MAP_BATCH,
-        input_columns=columns,
-        remove_columns=ds.column_names,
-        features=features,
-        num_proc=procs if procs > 1 else None,
-        cache_file_name=str(path.with_suffix(".arrow")),
-        new_fingerprint=f"llmkit-{path.stem}",
-        desc=f"tokenizing {path.stem.split('-')[0]}",
-    )
+    with library_progress_bars():  # its "tokenizing <split>" bar on a terminal only
+        return ds.map(
+            encoder,
+            batched=True,
+            batch_size=_MAP_BATCH,
+            input_columns=columns,
+            remove_columns=ds.column_names,
+            features=features,
+            num_proc=procs if procs > 1 else None,
+            cache_file_name=str(path.with_suffix(".arrow")),
+            new_fingerprint=f"llmkit-{path.stem}",
+            desc=f"tokenizing {path.stem.split('-')[0]}",
+        )
 
 
 @contextmanager

@@ -15,6 +15,7 @@ A tokenizer may carry a chat template (:meth:`Tokenizer.apply_chat_template`), s
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -352,16 +353,28 @@ def _infer_kind(tok: tokenizers.Tokenizer) -> Kind:
 # -- training -------------------------------------------------------------------------------
 
 
+def on_terminal() -> bool:
+    """Whether stderr, where progress bars draw, is a terminal: off one (a pipe, a log
+    file) llmkit asks its libraries for no progress bars."""
+    try:
+        return sys.stderr.isatty()
+    except (AttributeError, ValueError):  # replaced by an object without it, or closed
+        return False
+
+
 def train_bpe(
     texts: Iterable[str],
     vocab_size: int,
     special_tokens: Sequence[str] = ("<|endoftext|>",),
     min_frequency: int = 2,
+    *,
+    show_progress: bool | None = None,
 ) -> Tokenizer:
     """Byte-level BPE (GPT-2 pre-tokenization, no prefix space).
 
     Special tokens get ids ``0..len(special_tokens)-1``; the vocabulary holds at most
-    ``vocab_size`` ids (fewer if the corpus runs out of pairs to merge).
+    ``vocab_size`` ids (fewer if the corpus runs out of pairs to merge). ``tokenizers``'
+    progress bars show when ``show_progress`` (default: stderr is a terminal).
     """
     from tokenizers import Tokenizer as HFTokenizer
     from tokenizers import decoders, models, pre_tokenizers, trainers
@@ -381,7 +394,7 @@ def train_bpe(
         min_frequency=min_frequency,
         special_tokens=specials,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
+        show_progress=on_terminal() if show_progress is None else show_progress,
     )
     tok.train_from_iterator(_nonempty(texts), trainer=trainer)
     return Tokenizer(tok, "bpe", specials[0] if specials else None)

@@ -7,13 +7,20 @@ compare across objectives and tokenizers.
 
 The batch-level functions (:func:`evaluate_batches`, :func:`sliding_batches`) are what the
 trainer's validation uses; :func:`run_perplexity` evaluates a saved run on its validation
-split or a text file (``llmkit eval``).
+split or a text file (``llmkit eval``). Evaluating a run only reads it: its validation split
+is prepared in a scratch directory (reusing the run's token files, or the shared data store's,
+where they are), never in the run directory, and a run that never trained on its spec's data
+(an imported checkpoint) has no validation split (:func:`no_data_of_its_own`).
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import os
+import shutil
+import tempfile
+import weakref
 from collections.abc import Iterable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
@@ -163,30 +170,118 @@ def sliding_batches(
 class EvalText:
     """What a run is evaluated on: a 1-D token tensor (text, scored in sliding windows) or a
     prepared split whose rows are scored as trained (masked or padded rows); the text's size
-    in bytes and words where per-byte and per-word figures mean something; where it came from."""
+    in bytes and words where per-byte and per-word figures mean something; where it came from.
+    A split prepared in a scratch directory keeps it until :meth:`close` (or until the object
+    is collected)."""
 
     tokens: Any
     text_bytes: int | None
     words: int | None
     source: str
+    scratch: Path | None = None
+
+    def __post_init__(self) -> None:
+        self._cleanup = None
+        if self.scratch is not None:
+            self._cleanup = weakref.finalize(self, shutil.rmtree, self.scratch, True)
 
     @property
     def is_text(self) -> bool:
         return isinstance(self.tokens, Tensor)
 
+    def close(self) -> None:
+        """Remove the scratch directory the split was prepared in, if any."""
+        if self._cleanup is not None:
+            self._cleanup()
+
+
+#: The file ``llmkit import-hf`` writes into an imported run (:mod:`llmkit.interop.runs`).
+IMPORTED_MARKER = "hf_source.json"
+
+
+def no_data_of_its_own(run_dir: Path, rs: Any) -> str | None:
+    """Why the run at ``run_dir`` (its resolved spec ``rs``) has no validation split of its
+    own, or None when it has one. A spec whose ``data.source`` is the built-in default corpus
+    (what a spec without a data section gets) names the run's own data only if the run
+    trained on it: an imported checkpoint (``hf_source.json``) never did; another run did if
+    it has token files (``data/``), checkpoints or a training record in ``metrics.jsonl``."""
+    from llmkit.registry import get_registry
+
+    kind = get_registry().kinds.get("dataset")
+    default = getattr(kind, "default", None)
+    if rs.dataset is None or default is None or rs.dataset.name != default:
+        return None  # a corpus the spec chose
+    why = f"its spec's data is the built-in default ({default}), not data it learnt from"
+    if (run_dir / IMPORTED_MARKER).is_file():
+        return f"was imported (llmkit import-hf); {why}"
+    if (run_dir / "data").is_dir() or (run_dir / "checkpoints").is_dir():
+        return None
+    from llmkit.runs import METRICS_FILE
+    from llmkit.runs.metrics import MetricsLog
+
+    if any("eval" not in r for r in MetricsLog(run_dir / METRICS_FILE).read()):
+        return None  # trained (task results are logged as records with "eval")
+    return f"never trained; {why}"
+
+
+def no_data_message(run_dir: Path, reason: str) -> str:
+    return (
+        f"{run_dir} {reason}, so it has no validation split of its own: give --data FILE "
+        "(a text file) or --task"
+    )
+
 
 def validation_text(run: Any) -> EvalText:
     """The run's validation split: its tokens as text when it is packed and every token is
     trained, else the split itself (chat data trains only the assistant's tokens; padded rows
-    have bytes that mean nothing per token)."""
+    have bytes that mean nothing per token).
+
+    Nothing is written into the run: the split is prepared in a scratch directory that
+    reuses the run's own token files (linked, read-only) or the shared data store's, and
+    tokenizes the corpus only when neither has them. A run without data of its own
+    (:func:`no_data_of_its_own`) is an error."""
     from llmkit.data import prepare_data
 
-    prepared = prepare_data(run.spec, run.run_dir, run.tokenizer, log=lambda _m: None)
-    val = prepared.validation
-    if val.has_mask or val.layout != "packed":
-        return EvalText(val, None, None, "validation split (trained tokens)")
-    tokens = torch.from_numpy(val.array.astype("int64"))
-    return EvalText(tokens, val.n_bytes_text, None, "validation split")
+    reason = no_data_of_its_own(run.run_dir, run.spec)
+    if reason is not None:
+        raise LlmkitError(no_data_message(run.run_dir, reason))
+    spec = run.spec.spec
+    own = Path(spec.data.cache_dir).expanduser() if spec.data.cache_dir else run.run_dir / "data"
+    scratch = Path(tempfile.mkdtemp(prefix="llmkit-eval-"))
+    try:
+        data = scratch / "data"
+        data.mkdir()
+        _link_files(own, data)
+        rs = run.spec.with_settings({"data.cache_dir": str(data)})
+        prepared = prepare_data(rs, scratch, run.tokenizer, log=lambda _m: None)
+        val = prepared.validation
+        if val.has_mask or val.layout != "packed":  # read later: the scratch stays till then
+            return EvalText(val, None, None, "validation split (trained tokens)", scratch)
+        tokens = torch.from_numpy(val.array.astype("int64"))
+        text = EvalText(tokens, val.n_bytes_text, None, "validation split")
+    except BaseException:
+        shutil.rmtree(scratch, ignore_errors=True)
+        raise
+    shutil.rmtree(scratch, ignore_errors=True)
+    return text
+
+
+def _link_files(src: Path, dst: Path) -> None:
+    """Each file of ``src`` (if it exists) as a symbolic link in ``dst``, else a hard link;
+    a file that can be neither is left out (prepared again if needed). Token files are
+    replaced by renaming, never written through, so the originals are only read."""
+    if not src.is_dir():
+        return
+    for f in src.iterdir():
+        if not f.is_file():
+            continue
+        try:
+            (dst / f.name).symlink_to(f.resolve())
+        except OSError:
+            try:
+                os.link(f, dst / f.name)
+            except OSError:
+                continue
 
 
 def file_text(run: Any, path: Path, what: str = "--data") -> EvalText:

@@ -111,11 +111,27 @@ def task_metrics(fmt: str, scores: Sequence[ItemScore]) -> dict[str, float]:
     return out
 
 
-def score_items(scorer: LoglikScorer, items: Sequence[Item]) -> list[ItemScore]:
-    """Every pair of every item scored in one batched call."""
-    pairs = [pair for item in items for pair in item.pairs]
+def score_items(
+    scorer: LoglikScorer, items: Sequence[Item], task: Task | None = None
+) -> list[ItemScore]:
+    """Every pair of every item scored in one batched call; a pair that cannot be scored
+    (a continuation that encodes to no tokens) is an error naming the item, and with
+    ``task`` the task and the item's line in its file."""
+    requests = []
+    for item in items:
+        for i, (context, continuation) in enumerate(item.pairs):
+            try:
+                requests.append(scorer.encode_pair(context, continuation))
+            except ValueError as exc:
+                where = (
+                    task.where(item.doc_index)
+                    if task is not None
+                    else f"document {item.doc_index + 1}"
+                )
+                choice = f", choice {i + 1}" if len(item.pairs) > 1 else ""
+                raise LlmkitError(f"{where}{choice}: {exc}") from exc
     try:
-        scores: list[Loglik] = scorer.loglikelihood(pairs)
+        scores: list[Loglik] = scorer.score(requests)
     except ValueError as exc:
         raise LlmkitError(str(exc)) from exc
     out, k = [], 0
@@ -147,7 +163,7 @@ def evaluate_task(
     """Score ``task``'s items (the first ``limit``) with ``num_fewshot`` examples (default:
     the task spec's), drawn with ``seed``."""
     items = task.items(num_fewshot=num_fewshot, seed=seed, limit=limit)
-    scores = score_items(scorer, items)
+    scores = score_items(scorer, items, task)
     k = task.spec.num_fewshot if num_fewshot is None else num_fewshot
     return TaskResult(
         task.name, task.spec.format, k, seed, scores, task_metrics(task.spec.format, scores)

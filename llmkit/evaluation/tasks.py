@@ -99,10 +99,18 @@ class Task:
     docs: list[dict[str, Any]]
     fewshot_docs: list[dict[str, Any]] | None = None  # None: the task's own documents
     source: Path | None = None
+    lines: list[int] | None = None  # each document's line in ``source`` (1-based)
 
     @property
     def name(self) -> str:
         return self.spec.name
+
+    def where(self, index: int) -> str:
+        """Document ``index`` (0-based) for an error: ``task NAME, document N (FILE line L)``."""
+        out = f"task {self.name}, document {index + 1}"
+        if self.source is not None and self.lines is not None and 0 <= index < len(self.lines):
+            out += f" ({self.source.name} line {self.lines[index]})"
+        return out
 
     def items(
         self, *, num_fewshot: int | None = None, seed: int = 1234, limit: int | None = None
@@ -118,7 +126,7 @@ class Task:
                 f"task {self.name}: {k} few-shot examples asked for, but the few-shot pool "
                 f"holds {len(pool)} documents"
             )
-        render = Renderer(self.spec)
+        render = Renderer(self.spec, where=self.where)
         shots = [render.example(d) for d in pool] if k else []
         rng = random.Random(seed)
         out = []
@@ -173,8 +181,9 @@ def _field(doc: dict[str, Any], path: str) -> Any:
 class Renderer:
     """Renders a spec's templates over documents."""
 
-    def __init__(self, spec: TaskSpec) -> None:
+    def __init__(self, spec: TaskSpec, where: Callable[[int], str] | None = None) -> None:
         self.spec = spec
+        self.where = where or (lambda index: f"task {spec.name}, document {index + 1}")
         env = _environment()
         self._cache: dict[str, Any] = {}
         self._env = env
@@ -233,9 +242,9 @@ class Renderer:
                 pairs = tuple((ctx, delim + c) for c in choices)
             return Item(pairs, gold, tuple(choices), index)
         except (KeyError, ValueError, TypeError, IndexError, AssertionError) as exc:
-            raise LlmkitError(f"task {spec.name}, document {index + 1}: {_reason(exc)}") from exc
+            raise LlmkitError(f"{self.where(index)}: {_reason(exc)}") from exc
         except Exception as exc:  # jinja2's UndefinedError, TemplateSyntaxError, SecurityError
-            raise LlmkitError(f"task {spec.name}, document {index + 1}: {exc}") from exc
+            raise LlmkitError(f"{self.where(index)}: {exc}") from exc
 
     def example(self, doc: dict[str, Any]) -> str:
         """A solved example for few-shot prompts: the gold pair's text."""
@@ -297,9 +306,14 @@ BUILTIN: dict[str, dict[str, Any]] = {
 
 def read_jsonl(path: Path, what: str) -> list[dict[str, Any]]:
     """The JSON objects of a JSONL file, one per non-blank line."""
+    return read_jsonl_lines(path, what)[0]
+
+
+def read_jsonl_lines(path: Path, what: str) -> tuple[list[dict[str, Any]], list[int]]:
+    """The JSON objects of a JSONL file, one per non-blank line, and their line numbers."""
     if not path.is_file():
         raise LlmkitError(f"{what}: file not found: {path}")
-    docs = []
+    docs, lines = [], []
     with path.open(encoding="utf-8", errors="strict") as fh:
         try:
             for n, line in enumerate(fh, 1):
@@ -312,11 +326,12 @@ def read_jsonl(path: Path, what: str) -> list[dict[str, Any]]:
                 if not isinstance(doc, dict):
                     raise LlmkitError(f"{what}: {path} line {n} is not a JSON object")
                 docs.append(doc)
+                lines.append(n)
         except UnicodeDecodeError as exc:
             raise LlmkitError(f"{what}: {path} is not UTF-8 text ({exc.reason})") from None
     if not docs:
         raise LlmkitError(f"{what}: {path} holds no documents")
-    return docs
+    return docs, lines
 
 
 def task_spec(data: dict[str, Any], where: str) -> TaskSpec:
@@ -365,8 +380,8 @@ def _with_docs(spec: TaskSpec, base: Path) -> Task:
     if spec.data is None:
         raise LlmkitError(f'task {spec.name}: no data file (set data = "FILE.jsonl")')
     source = base / spec.data
-    docs = read_jsonl(source, f"task {spec.name}")
+    docs, lines = read_jsonl_lines(source, f"task {spec.name}")
     fewshot = None
     if spec.fewshot_data is not None:
         fewshot = read_jsonl(base / spec.fewshot_data, f"task {spec.name} (few-shot)")
-    return Task(spec, docs, fewshot, source)
+    return Task(spec, docs, fewshot, source, lines)

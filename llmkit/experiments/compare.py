@@ -3,8 +3,11 @@
 A run's spec is compared resolved (defaults filled in, so ``lr = 3e-4`` written in one spec
 and left to the default in another still shows as equal or different by value), flattened
 to dotted paths; only the paths where the runs disagree are kept. The metrics come from
-each run's ``metrics.jsonl``: the last training record, the last and best validation loss,
-and the latest result of every downstream task evaluated on it (``llmkit eval --task``).
+each run's ``metrics.jsonl``: the last training record, the last and best validation
+cross-entropy and perplexity (what compares across objectives: a distilled or z-loss run's
+``val_loss`` is its objective, not a cross-entropy), its objective, named, and the latest
+result of every downstream task evaluated on it (``llmkit eval --task``). The best run is
+the one of lowest validation cross-entropy.
 """
 
 from __future__ import annotations
@@ -20,6 +23,31 @@ from llmkit.errors import LlmkitError
 #: Resolved-spec paths never shown as differences: per-layer copies of model-wide choices
 #: (a real per-layer difference shows in model.overrides) and where the spec was read from.
 HIDDEN_PREFIXES = ("model.layers",)
+
+#: The metric runs are ranked by: the validation cross-entropy, whatever their objective.
+RANK_METRIC = "val_ce"
+
+#: The objective of a run without ``train.loss`` or ``train.distill``.
+CROSS_ENTROPY = "cross_entropy"
+
+#: The metric table's rows, in order: the cross-entropy first, then the objective (named in
+#: the ``objective`` row; ``val_loss``, ``best_val_loss`` and ``train_loss`` are its
+#: values), then the run's extent and speed. Other metrics follow, sorted.
+METRIC_ORDER = (
+    "val_ce",
+    "val_ppl",
+    "best_val_ce",
+    "objective",
+    "val_loss",
+    "best_val_loss",
+    "train_loss",
+    "step",
+    "tokens",
+    "trained_tokens",
+    "tokens_per_s",
+    "trained_tokens_per_s",
+    "elapsed",
+)
 
 
 @dataclass
@@ -89,7 +117,21 @@ def summarize(path: Path, label: str | None = None) -> RunSummary:
         if not any(k == p or k.startswith(p + ".") for p in HIDDEN_PREFIXES)
     }
     records = MetricsLog(run.dir / METRICS_FILE).read()
-    return RunSummary(label or run.dir.name, run.dir, flat, _metrics(records), _curves(records))
+    metrics = _metrics(records)
+    if "val_loss" in metrics or "train_loss" in metrics:
+        metrics["objective"] = objective_name(flat)
+    return RunSummary(label or run.dir.name, run.dir, flat, metrics, _curves(records))
+
+
+def objective_name(flat: dict[str, Any]) -> str:
+    """What a run minimized, from its flattened spec, named as ``llmkit train`` names it:
+    ``cross_entropy``, the ``train.loss`` component's name, ``distill`` or
+    ``distill(<loss>)``."""
+    loss = flat.get("train.loss.name")
+    base = loss if isinstance(loss, str) else CROSS_ENTROPY
+    if flat.get("train.distill.teacher") is not None:
+        return "distill" if loss is None else f"distill({base})"
+    return base
 
 
 def _number(value: Any) -> float | None:
@@ -105,17 +147,28 @@ def _metrics(records: list[dict[str, Any]]) -> dict[str, Any]:
     if train:
         last = train[-1]
         out.update(step=last.get("step"), train_loss=last["loss"])
-        for key in ("tokens", "elapsed"):
+        for key in ("tokens", "trained_tokens", "elapsed"):
             if key in last:
                 out[key] = last[key]
-        speeds = [r["tokens_per_s"] for r in train if _number(r.get("tokens_per_s"))]
-        if speeds:
-            out["tokens_per_s"] = round(sum(speeds) / len(speeds), 1)
+        for key in ("tokens_per_s", "trained_tokens_per_s"):
+            speeds = [r[key] for r in train if _number(r.get(key))]
+            if speeds:
+                out[key] = round(sum(speeds) / len(speeds), 1)
     if val:
-        out["val_loss"] = val[-1]["val_loss"]
-        out["best_val_loss"] = min(r["val_loss"] for r in val)
+        # The cross-entropy: ``val_ce`` (every evaluation writes it now); a record without
+        # one is from a run whose objective was the cross-entropy, so its val_loss is it.
+        ces = [_number(r.get("val_ce", r["val_loss"])) for r in val]
+        if ces[-1] is not None:
+            out["val_ce"] = ces[-1]
         if "val_ppl" in val[-1]:
             out["val_ppl"] = val[-1]["val_ppl"]
+        elif ces[-1] is not None:
+            out["val_ppl"] = round(math.exp(min(ces[-1], 80.0)), 4)
+        known = [c for c in ces if c is not None]
+        if known:
+            out["best_val_ce"] = min(known)
+        out["val_loss"] = val[-1]["val_loss"]
+        out["best_val_loss"] = min(r["val_loss"] for r in val)
     for record in records:  # the latest evaluation of each task wins
         task = record.get("eval")
         if isinstance(task, str):
@@ -126,13 +179,23 @@ def _metrics(records: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _curves(records: list[dict[str, Any]]) -> dict[str, list[tuple[int, float]]]:
-    out: dict[str, list[tuple[int, float]]] = {"loss": [], "val_loss": [], "tokens": []}
+    """The training loss (the objective), the validation loss (the objective), the
+    validation cross-entropy (``val_loss`` where a record has no ``val_ce``: the objective
+    was the cross-entropy) and the tokens seen, by step."""
+    out: dict[str, list[tuple[int, float]]] = {
+        "loss": [],
+        "val_loss": [],
+        "val_ce": [],
+        "tokens": [],
+    }
     for r in records:
         step = r.get("step")
         if not isinstance(step, int) or "eval" in r:
             continue
         for key in out:
             value = _number(r.get(key))
+            if key == "val_ce" and "val_ce" not in r:
+                value = _number(r.get("val_loss"))
             if value is not None:
                 out[key].append((step, value))
     return out
@@ -152,25 +215,24 @@ def differences(runs: Sequence[RunSummary]) -> dict[str, list[Any]]:
 
 def metric_table(runs: Sequence[RunSummary]) -> dict[str, list[Any]]:
     """Every metric any run has, each with every run's value (None where absent); the
-    common ones first."""
-    order = [
-        "step",
-        "tokens",
-        "train_loss",
-        "val_loss",
-        "best_val_loss",
-        "val_ppl",
-        "tokens_per_s",
-        "elapsed",
-    ]
-    keys = [k for k in order if any(k in r.metrics for r in runs)]
-    keys += sorted({k for r in runs for k in r.metrics} - set(order))
+    common ones first (:data:`METRIC_ORDER`: the cross-entropy leads)."""
+    keys = [k for k in METRIC_ORDER if any(k in r.metrics for r in runs)]
+    keys += sorted({k for r in runs for k in r.metrics} - set(METRIC_ORDER))
     return {k: [r.metrics.get(k) for r in runs] for k in keys}
 
 
+def best_run(runs: Sequence[RunSummary], metric: str = RANK_METRIC) -> RunSummary | None:
+    """The run of lowest ``metric`` (the validation cross-entropy: comparable whatever
+    each run's objective); None when fewer than two runs have it."""
+    ranked = [r for r in runs if _number(r.metrics.get(metric)) is not None]
+    if len(ranked) < 2:
+        return None
+    return min(ranked, key=lambda r: r.metrics[metric])
+
+
 def plot_curves(runs: Sequence[RunSummary], path: Path, *, x: str = "step") -> None:
-    """Training (thin) and validation (thick) loss of every run, overlaid, against the
-    step or the tokens seen."""
+    """Training loss (thin; the objective) and validation cross-entropy (thick; comparable
+    whatever the objective) of every run, overlaid, against the step or the tokens seen."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -180,11 +242,13 @@ def plot_curves(runs: Sequence[RunSummary], path: Path, *, x: str = "step") -> N
     for i, run in enumerate(runs):
         color = f"C{i % 10}"
         to_x = _x_axis(run, x)
-        for key, width, style in (("loss", 1.0, "-"), ("val_loss", 2.0, "o-")):
+        objective = run.metrics.get("objective", CROSS_ENTROPY)
+        train = "train" if objective == CROSS_ENTROPY else f"train {objective}"
+        for key, width, style in (("loss", 1.0, "-"), ("val_ce", 2.0, "o-")):
             points = [(to_x(s), v) for s, v in run.curves.get(key, []) if to_x(s) is not None]
             if points:
                 xs, ys = zip(*points)
-                label = f"{run.label} ({'val' if key == 'val_loss' else 'train'})"
+                label = f"{run.label} ({'val ce' if key == 'val_ce' else train})"
                 ax.plot(xs, ys, style, color=color, lw=width, ms=3, label=label, alpha=0.85)
     ax.set_xlabel("tokens" if x == "tokens" else "step")
     ax.set_ylabel("loss (nats/token)")

@@ -29,11 +29,13 @@ trial whose process died (no heartbeat) is marked failed and its parameters trie
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import json
 import math
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -43,7 +45,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from llmkit.errors import LlmkitError, SpecError, first_line, validation_problems
 from llmkit.experiments import trial as trial_runner
 from llmkit.experiments.distributions import DISTRIBUTIONS, Choice, Distribution, table_keys
-from llmkit.experiments.sweep_axes import METRIC_COLUMNS, toml_literal
+from llmkit.experiments.sweep_axes import METRIC_COLUMNS, check_overrides, toml_literal
 
 #: Seconds between a running trial's heartbeats; a trial silent for longer is stale.
 HEARTBEAT_S = 20
@@ -121,9 +123,32 @@ def _override(path: str, value: Any) -> str:
     return f"{path}={toml_literal(value)}"
 
 
-def check_search(search: SearchSpec, base: Path) -> None:
-    """Resolve the base spec with every parameter at each end of its range (each choice):
-    all problems at once, before any trial runs."""
+def prepare_search(
+    path: str | Path,
+    *,
+    trials: int | None = None,
+    overrides: list[str] | None = None,
+    max_steps: int | None = None,
+) -> tuple[SearchSpec, Path]:
+    """A search file read, with ``trials`` and the command line's ``--set`` ``overrides``
+    (after the file's ``set``; none may touch a searched parameter) folded in, and its base
+    spec (relative to the file, or a preset; a one-line error naming both paths when
+    missing)."""
+    from llmkit.experiments.sweep import resolve_base
+
+    search, _ = read_search(path)
+    sets = list(overrides or [])
+    check_overrides(sets, max_steps, list(search.params), "search")
+    update: dict[str, Any] = {"set": [*search.set, *sets]}
+    if trials is not None:
+        update["trials"] = trials
+    return search.model_copy(update=update), resolve_base(search.base, Path(path), "search")
+
+
+def check_search(search: SearchSpec, base: Path, max_steps: int | None = None) -> None:
+    """Resolve the base spec with every parameter at each end of its range (each choice),
+    cut to ``max_steps`` (``--max-steps``) as the trials will be: all problems at once,
+    before any trial runs."""
     from llmkit.model import build_problems
     from llmkit.spec import load_spec
 
@@ -136,7 +161,8 @@ def check_search(search: SearchSpec, base: Path) -> None:
                 continue
             tried.add(key)
             try:
-                rs = load_spec(base, [*search.set, _override(path, value)])
+                sets = [*search.set, _override(path, value)]
+                rs = load_spec(base, trial_runner.cut_overrides(base, sets, max_steps))
                 found = build_problems(rs)
                 if found:
                     raise SpecError(found)
@@ -157,16 +183,63 @@ class SearchResult:
     out: Path
 
 
+@contextlib.contextmanager
+def quiet_optuna() -> Iterator[None]:
+    """Optuna without its chatter: no ``ExperimentalWarning`` (heartbeats are experimental),
+    no warning about choices that are tables (llmkit's ``choice`` takes any value ``--set``
+    takes; the study stores them as JSON) and no log lines below errors (a failed or pruned
+    trial is reported by the search's own lines); all restored afterwards."""
+    import optuna
+
+    verbosity = optuna.logging.get_verbosity()
+    optuna.logging.set_verbosity(optuna.logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            warnings.filterwarnings(
+                "ignore", "Choices for a categorical distribution should be", UserWarning
+            )
+            yield
+    finally:
+        optuna.logging.set_verbosity(verbosity)
+
+
+#: The study's user attribute recording the command line's ``--set`` and ``--max-steps``.
+PLAN_ATTR = "llmkit_plan"
+
+
+def _check_same_plan(study: Any, plan: dict[str, Any]) -> None:
+    """A study's trials must all train the same way: the first process records ``plan``
+    (the trials' overrides and ``--max-steps``), every later one must match it (one line)."""
+
+    def flags(d: dict[str, Any]) -> str:
+        sets = " ".join(d.get("set") or [])
+        steps = d.get("max_steps")
+        return (f"set/--set {sets}" if sets else "no set/--set") + (
+            f" and --max-steps {steps}" if steps is not None else " and no --max-steps"
+        )
+
+    before = study.user_attrs.get(PLAN_ATTR)
+    if before is None:
+        study.set_user_attr(PLAN_ATTR, plan)
+    elif before != plan:
+        raise LlmkitError(
+            f"study {study.study_name} was run with {flags(before)}, now with {flags(plan)}: "
+            "its trials would not compare; rerun with the same ones, or use another --out "
+            "(or --storage)"
+        )
+
+
 def _study(search: SearchSpec, out: Path, storage: str | None, seed_offset: int = 0) -> Any:
     import optuna
-    from optuna.storages import RDBStorage, RetryFailedTrialCallback
+    from optuna.storages import RDBStorage, RetryHeartbeatStaleTrialCallback
 
     url = storage or search.storage or f"sqlite:///{(out / 'study.db').resolve()}"
     rdb = RDBStorage(
         url,
         heartbeat_interval=HEARTBEAT_S,
         grace_period=2 * HEARTBEAT_S,
-        heartbeat_stale_trial_callback=RetryFailedTrialCallback(max_retry=1),
+        heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback(max_retry=1),
     )
     # every process needs its own seed: equal seeds would draw equal trials side by side
     seed = None if search.seed is None else search.seed + seed_offset
@@ -200,6 +273,9 @@ def run_search(
     seed_offset: int = 0,
     threads: int | None = None,
     log: Callable[[str], None] = print,
+    overrides: list[str] | None = None,
+    max_steps: int | None = None,
+    max_time: float | None = None,
 ) -> SearchResult:
     """Run (or go on with) the search of a search file until its study holds ``trials``
     (default: the file's) completed or pruned trials; this process's share of the work
@@ -207,24 +283,44 @@ def run_search(
     ``seed_offset`` (added to the file's seed): ``--workers`` numbers its processes, and
     machines sharing a study pass ``--seed-offset``. Each trial is an ``llmkit train``
     subprocess (:mod:`llmkit.experiments.trial`) with ``threads`` CPU threads (default:
-    every core this process may use)."""
+    every core this process may use). ``overrides``, ``max_steps`` and ``max_time`` are
+    ``llmkit train``'s ``--set`` (after the file's ``set``), ``--max-steps`` and
+    ``--max-time`` for every trial; the study records the first two, and a process giving
+    others is refused (its trials would not compare)."""
     try:
-        import optuna
+        import optuna  # noqa: F401  (quiet_optuna and the study import it)
     except ImportError:
         raise LlmkitError("llmkit search needs Optuna: pip install 'llmkit[optuna]'") from None
+
+    with quiet_optuna():
+        return _run_search(
+            path, out, trials, storage, seed_offset, threads, log, overrides, max_steps, max_time
+        )
+
+
+def _run_search(
+    path: str | Path,
+    out: str | Path | None,
+    trials: int | None,
+    storage: str | None,
+    seed_offset: int,
+    threads: int | None,
+    log: Callable[[str], None],
+    overrides: list[str] | None,
+    max_steps: int | None,
+    max_time: float | None,
+) -> SearchResult:
+    import optuna
 
     from llmkit.experiments.sweep import LOGS_DIR
     from llmkit.spec import load_spec
 
-    search, where = read_search(path)
-    if trials is not None:
-        search = search.model_copy(update={"trials": trials})
-    base = where / search.base
-    check_search(search, base)
+    search, base = prepare_search(path, trials=trials, overrides=overrides, max_steps=max_steps)
+    check_search(search, base, max_steps)
     out_dir = Path(out) if out else default_out(search.name)
     (out_dir / "trials").mkdir(parents=True, exist_ok=True)
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
     study = _study(search, out_dir, storage, seed_offset)
+    _check_same_plan(study, {"set": search.set, "max_steps": max_steps})
     done_states = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
     threads = threads if threads is not None else trial_runner.threads_per_worker(1)
 
@@ -233,7 +329,9 @@ def run_search(
             return run_trial(trial)
         except FAILURES as exc:  # recorded and reported; Optuna marks the trial failed
             trial.set_user_attr("error", first_line(exc))
-            log(f"trial {trial.number}: failed: {first_line(exc)}")
+            took = trial.user_attrs.get("wall_s")
+            after = f" after {took:.1f} s" if took is not None else ""
+            log(f"trial {trial.number}: failed{after}: {first_line(exc)}")
             raise
 
     def run_trial(trial: Any) -> float:
@@ -243,43 +341,62 @@ def run_search(
         trial.set_user_attr("run_dir", str(run_dir))
         overrides = [*search.set, *(_override(p, v) for p, v in values.items())]
         shown = ", ".join(f"{p}={_short(v)}" for p, v in values.items())
-        log(f"trial {trial.number}: {shown}")
-        max_steps = load_spec(base, overrides).spec.train.max_steps
+        cut = trial_runner.cut_overrides(base, overrides, max_steps)
+        last = load_spec(base, cut).spec.train.max_steps
+        scaled = cut[len(overrides) : -1]  # the warmup --max-steps scales down to fit
+        if scaled:
+            shown += f" (--max-steps {max_steps} sets {scaled[0]})"
+        log(f"trial {trial.number}: started, {last} steps: {shown}")
         reported: list[float] = []
 
         def on_eval(step: int, val_loss: float) -> bool:
             trial.report(val_loss, step)
             reported.append(val_loss)
-            return bool(trial.should_prune())
+            prune = bool(trial.should_prune())
+            verdict = "; pruned: stopping it" if prune else ""
+            log(f"trial {trial.number}: step {step}/{last}: val_loss {val_loss:.4f}{verdict}")
+            return prune
 
         job = trial_runner.TrialJob(
             run_dir=run_dir,
             log=out_dir / LOGS_DIR / f"{name}.log",
             spec=base,
             overrides=overrides,
-            max_steps=max_steps,
+            max_steps=last,
             threads=threads,
+            cut_steps=max_steps,
+            max_time=max_time,
         )
         ended = trial_runner.run_trial(job, on_eval)
+        trial.set_user_attr("wall_s", ended.wall_s)
         if ended.error is not None:
             raise LlmkitError(ended.error)
         numbers = ended.numbers
         trial.set_user_attr("steps", numbers.get("steps"))
         trial.set_user_attr("tokens", numbers.get("tokens"))
-        trial.set_user_attr("wall_s", ended.wall_s)
+        trained = f"{numbers.get('steps')} steps, {ended.wall_s:.1f} s"
         if ended.stopped_at is not None:
+            trial.set_user_attr("pruned_at", ended.stopped_at)
             at = min(reported) if search.metric == "best_val_loss" else reported[-1]
-            log(f"trial {trial.number}: pruned at step {ended.stopped_at} (val {at:.4f})")
+            log(
+                f"trial {trial.number}: pruned at step {ended.stopped_at}, "
+                f"{search.metric} {at:.4f} ({trained})"
+            )
             raise optuna.TrialPruned()
         value = numbers.get(METRIC_COLUMNS[search.metric])
         if value is None or not math.isfinite(value):
             raise LlmkitError(f"trial {trial.number} ended without a finite validation loss")
-        log(f"trial {trial.number}: {search.metric} {value:.4f}")
+        log(f"trial {trial.number}: complete, {search.metric} {value:.4f} ({trained})")
         return float(value)
 
     from optuna.study import MaxTrialsCallback
 
     done = len(study.get_trials(deepcopy=False, states=done_states))
+    if max_steps is not None and search.pruner != "none" and search.prune_after_steps >= max_steps:
+        log(
+            f"note: prune_after_steps ({search.prune_after_steps}) is not below --max-steps "
+            f"({max_steps}): no trial will be pruned"
+        )
     if done < search.trials:
         log(f"study {search.name}: {done} of {search.trials} trials done; going on")
         study.optimize(
@@ -323,20 +440,30 @@ class _FailureLimit:
 
 
 def _short(value: Any) -> str:
-    return f"{value:.4g}" if isinstance(value, float) else str(value)
+    """A parameter's value as a trial's line shows it: floats to 4 digits, else as --set."""
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    try:
+        return toml_literal(value)
+    except ValueError:
+        return str(value)
 
 
 def trial_rows(study: Any, search: SearchSpec) -> list[dict[str, Any]]:
-    """One row per trial: number, state, value, each parameter, steps, tokens, wall time,
-    run directory."""
+    """One row per trial: number, state, value, each parameter, steps trained, ``pruned_at``
+    (a pruned trial's evaluation step it was judged at; it trains one step past it), tokens,
+    wall time, run directory, error."""
     rows = []
     for t in study.get_trials(deepcopy=False):
         row: dict[str, Any] = {"trial": t.number, "state": t.state.name, "value": t.value}
         row.update({p: t.params.get(p) for p in search.params})
-        for key in ("steps", "tokens", "wall_s", "run_dir", "error"):
+        row["steps"] = t.user_attrs.get("steps")
+        row["pruned_at"] = None
+        if t.state.name == "PRUNED":  # older studies did not record it: their last report
+            last = max(t.intermediate_values, default=None)
+            row["pruned_at"] = t.user_attrs.get("pruned_at", last)
+        for key in ("tokens", "wall_s", "run_dir", "error"):
             row[key] = t.user_attrs.get(key)
-        if t.intermediate_values:
-            row["last_reported_step"] = max(t.intermediate_values)
         rows.append(row)
     return rows
 

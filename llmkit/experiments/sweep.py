@@ -44,14 +44,17 @@ from llmkit.experiments.sweep_axes import (
     SweepFile,
     Trial,
     axis_paths,
+    check_overrides,
     expand,
     log_axes,
     read_sweep,
+    varied_paths,
     zip_partners,
 )
 from llmkit.experiments.trial import (
     TrialJob,
     TrialProcess,
+    cut_overrides,
     summarize,
     threads_per_worker,
     visible_gpus,
@@ -70,17 +73,26 @@ POLL_S = 0.1
 
 @dataclass
 class SweepPlan:
-    """A sweep file read and expanded: its trials, and the base spec they start from."""
+    """A sweep file read and expanded: its trials, and the base spec they start from.
+    ``sets`` and ``max_steps``: the command line's ``--set`` overrides (in every trial's
+    overrides, after the file's ``set``) and ``--max-steps`` (passed to every new trial's
+    ``llmkit train``); both are part of what the sweep trains, so a rerun must repeat them."""
 
     sweep: SweepFile
     name: str
     base: Path
     trials: list[Trial]
     source: Path | None = None
+    sets: list[str] = field(default_factory=list)
+    max_steps: int | None = None
 
     @property
     def axes(self) -> list[str]:
         return axis_paths(self.sweep)
+
+    def overrides(self, trial: Trial) -> list[str]:
+        """What the trial's ``llmkit train`` resolves: its overrides, cut to ``max_steps``."""
+        return cut_overrides(self.base, trial.overrides, self.max_steps)
 
 
 @dataclass
@@ -105,29 +117,47 @@ class SweepResult:
         return min(done, key=lambda r: r[self.metric]) if done else None
 
 
-def load_plan(sweep: str | Path | SweepFile) -> SweepPlan:
+def load_plan(
+    sweep: str | Path | SweepFile,
+    *,
+    overrides: list[str] | None = None,
+    max_steps: int | None = None,
+) -> SweepPlan:
     """Read (a path) or take (a :class:`SweepFile`) a sweep and expand its trials; a file's
-    ``base`` is relative to the file, a model's to the current directory."""
+    ``base`` is relative to the file, a model's to the current directory. ``overrides``
+    (``--set``) and ``max_steps`` (``--max-steps``) apply to every trial, as ``llmkit
+    train``'s do; neither may touch what the sweep varies (one-line :class:`LlmkitError`)."""
     if isinstance(sweep, SweepFile):
-        model, source, root = sweep, None, Path.cwd()
+        model, source = sweep, None
     else:
         source = Path(sweep)
-        model, root = read_sweep(source), source.parent
+        model = read_sweep(source)
+    sets = list(overrides or [])
+    check_overrides(sets, max_steps, varied_paths(model), "sweep")
     name = model.name or (source.stem if source is not None else "sweep")
-    return SweepPlan(model, name, _base_spec(model.base, root), expand(model), source)
+    base = resolve_base(model.base, source, "sweep")
+    return SweepPlan(model, name, base, expand(model, sets), source, sets, max_steps)
 
 
-def _base_spec(base: str, root: Path) -> Path:
+def resolve_base(base: str, source: Path | None, what: str = "sweep") -> Path:
+    """The spec file a sweep's or search's ``base`` names: a path relative to the ``source``
+    file (to the current directory without one), or a preset name. When there is none, a
+    one-line :class:`LlmkitError` names ``base`` as written and the path it was read as."""
     from llmkit.spec import presets
 
     candidate = Path(base).expanduser()
-    candidate = candidate if candidate.is_absolute() else root / candidate
+    if not candidate.is_absolute():
+        candidate = (source.parent if source is not None else Path.cwd()) / candidate
     if candidate.is_file():
         return candidate.resolve()
     known = presets()
     if base in known:
         return known[base]
-    raise LlmkitError(f"base: no spec file {candidate} (nor a preset named {base!r})")
+    where = f"relative to {source}" if source is not None else "relative to the current directory"
+    raise LlmkitError(
+        f"base {base!r} ({where}): no spec file {candidate.resolve()}, nor a preset of that "
+        f"name; fix `base` in the {what} file"
+    )
 
 
 def validate_plan(plan: SweepPlan) -> dict[str, Any]:
@@ -141,7 +171,7 @@ def validate_plan(plan: SweepPlan) -> dict[str, Any]:
     bad = 0
     for trial in plan.trials:
         try:
-            specs[trial.id] = rs = load_spec(plan.base, trial.overrides)
+            specs[trial.id] = rs = load_spec(plan.base, plan.overrides(trial))
             found = build_problems(rs)  # a component refusing its dimensions
             if found:
                 raise SpecError(found)
@@ -181,15 +211,23 @@ def run_sweep(
     retry_failed: bool = False,
     log: Callable[[str], None] = print,
     progress: bool | None = None,
+    overrides: list[str] | None = None,
+    max_steps: int | None = None,
+    max_time: float | None = None,
 ) -> SweepResult:
     """Run (or finish) a sweep into ``out`` (default ``runs/sweeps/<name>``): every trial
     validated first, then trained ``workers`` at a time; done trials are skipped, interrupted
     ones resumed, failed ones rerun only with ``retry_failed``. SIGINT/SIGTERM stop the
     running trials at their next step, each saving a checkpoint (a second signal kills
-    them)."""
+    them). ``overrides``, ``max_steps`` and ``max_time`` are ``llmkit train``'s ``--set``,
+    ``--max-steps`` and ``--max-time`` for every trial; a rerun must give the same
+    ``overrides`` and ``max_steps`` (they change what the trials train), ``max_time`` may
+    differ (it limits each trial's training time, as on ``llmkit train --resume``)."""
     if workers < 1:
         raise LlmkitError(f"workers must be at least 1, got {workers}")
-    plan = load_plan(sweep)
+    if max_time is not None and not max_time > 0:
+        raise LlmkitError(f"max_time must be a number of seconds > 0, got {max_time}")
+    plan = load_plan(sweep, overrides=overrides, max_steps=max_steps)
     specs = validate_plan(plan)
     branches = sweep_branches.plan_branches(plan, specs) if plan.sweep.branch_budgets else {}
     out_dir = Path(out) if out is not None else DEFAULT_ROOT / plan.name
@@ -206,7 +244,7 @@ def run_sweep(
         ) from None
     try:
         runner = _Runner(plan, specs, out_dir.absolute(), workers, retry_failed, log, progress)
-        runner.branches = branches
+        runner.branches, runner.max_time = branches, max_time
         return runner.run()
     finally:
         lock.release()
@@ -249,6 +287,7 @@ class _Runner:
         self.branches: dict[str, tuple[str, int]] = {}
         self.threads = threads_per_worker(workers)
         self.gpus = visible_gpus() if workers > 1 else 0
+        self.max_time: float | None = None  # --max-time of every trial
 
     # -- set-up ------------------------------------------------------------------------------
     def _prepare(self) -> None:
@@ -258,6 +297,8 @@ class _Runner:
             "name": self.plan.name,
             "base": str(self.plan.base),
             "base_sha256": _spec_digest(self.plan.base),
+            "set": self.plan.sets,
+            "max_steps": self.plan.max_steps,
             "trials": [{"id": t.id, "overrides": t.overrides} for t in self.plan.trials],
         }
         path = self.out / DEFINITION_FILE
@@ -266,11 +307,7 @@ class _Runner:
                 before = json.loads(path.read_text())
             except ValueError:
                 before = {}
-            if before.get("trials") != definition["trials"]:
-                raise LlmkitError(
-                    f"{self.out} holds a sweep with other trials ({DEFINITION_FILE}); "
-                    "choose another --out, or remove the directory"
-                )
+            _check_same_sweep(self.out, before, definition)
             if before.get("base_sha256") != definition["base_sha256"]:
                 raise LlmkitError(
                     f"the base spec {self.plan.base} changed since {self.out} was started; "
@@ -378,8 +415,8 @@ class _Runner:
         skipped = len(self.plan.trials) - len(queue)
         display.log(
             f"sweep {self.plan.name}: {len(self.plan.trials)} trials ({skipped} already "
-            f"ended, {len(queue)} to run), {self.workers} worker(s) × {self.threads} "
-            f"thread(s) -> {self.out}"
+            f"ended, {len(queue)} to run){self._limits()}, {self.workers} worker(s) × "
+            f"{self.threads} thread(s) -> {self.out}"
         )
         self._write()
         old = self._install_signals()
@@ -426,6 +463,15 @@ class _Runner:
         if self.stopping:
             self.log(f"stopped by {self.stopping}: rerun the sweep to finish it")
         return result
+
+    def _limits(self) -> str:
+        """The command line's limits of every trial, for the sweep's first line."""
+        parts = [f"--set {a}" for a in self.plan.sets]
+        if self.plan.max_steps is not None:
+            parts.append(f"--max-steps {self.plan.max_steps}")
+        if self.max_time is not None:
+            parts.append(f"--max-time {self.max_time:g}")
+        return f", each with {' '.join(parts)}" if parts else ""
 
     def _next(self, queue: deque[Trial], display: report.SweepProgress) -> Trial | None:
         """The first queued trial that can start now (taken off the queue): a branch waits
@@ -488,6 +534,8 @@ class _Runner:
             threads=self.threads,
             gpu=slot % self.gpus if self.gpus > 1 else None,
             note=branched,
+            cut_steps=None if resume else self.plan.max_steps,  # a resumed run's spec has it
+            max_time=self.max_time,
         )
         proc = TrialProcess(job)
         proc.start()
@@ -538,6 +586,31 @@ class _Runner:
         runs in the signal handler)."""
         for r in self.running.values():
             r.proc.stop(sig)
+
+
+def _check_same_sweep(out: Path, before: dict[str, Any], now: dict[str, Any]) -> None:
+    """Refuse, in one line, a rerun into ``out`` that trains other trials than its
+    ``sweep.json`` records: other axes, values or ``set``, another ``--set`` or
+    ``--max-steps`` (older directories, without the last two, had neither)."""
+
+    def flags(d: dict[str, Any]) -> str:
+        parts = [f"--set {a}" for a in d.get("set") or []]
+        if d.get("max_steps") is not None:
+            parts.append(f"--max-steps {d['max_steps']}")
+        return " ".join(parts) or "neither --set nor --max-steps"
+
+    ids = [t.get("id") for t in before.get("trials") or [] if isinstance(t, dict)]
+    same_ids = ids == [t["id"] for t in now["trials"]]
+    if same_ids and flags(before) != flags(now):
+        raise LlmkitError(
+            f"{out} was run with {flags(before)}, this sweep with {flags(now)}: rerun it "
+            "with the same --set and --max-steps, or choose another --out"
+        )
+    if before.get("trials") != now["trials"]:
+        raise LlmkitError(
+            f"{out} holds a sweep with other trials ({DEFINITION_FILE}); "
+            "choose another --out, or remove the directory"
+        )
 
 
 def _spec_digest(path: Path) -> str:

@@ -262,6 +262,37 @@ def axis_values(axis: Any) -> list[Any]:
     return list(axis) if isinstance(axis, list) else axis.values()
 
 
+def override_paths(assignments: list[str]) -> list[str]:
+    """The spec paths of ``KEY=VALUE`` overrides; :class:`LlmkitError` for one that is not."""
+    paths = []
+    for a in assignments:
+        key, sep, _ = a.partition("=")
+        if not sep or not PATH_PATTERN.fullmatch(key.strip()):
+            raise LlmkitError(f"--set {a!r}: expected KEY=VALUE, e.g. train.max_steps=200")
+        paths.append(key.strip())
+    return paths
+
+
+def check_overrides(
+    sets: list[str], max_steps: int | None, varied: list[str], what: str = "sweep"
+) -> None:
+    """Refuse, in one line, a command-line ``--set`` of a path the sweep or search varies
+    (``varied``: its axes, ``train.seed`` under ``seeds``, or its parameters) or of a path
+    inside one, and ``--max-steps`` when it varies ``train.max_steps``: every trial would
+    train one value, or the varied value would replace the override."""
+    for a, path in zip(sets, override_paths(sets), strict=True):
+        hit = next((v for v in varied if path == v or path.startswith(v + ".")), None)
+        if hit is not None:
+            raise LlmkitError(
+                f"--set {a}: this {what} varies {hit}; its values come from the {what} file"
+            )
+    if max_steps is not None and "train.max_steps" in varied:
+        raise LlmkitError(
+            f"--max-steps {max_steps}: this {what} varies train.max_steps; its values come "
+            f"from the {what} file"
+        )
+
+
 def sweep_schema() -> dict[str, Any]:
     """The JSON Schema (draft 2020-12) of a sweep file."""
     schema = SweepFile.model_json_schema(by_alias=True)
@@ -402,15 +433,16 @@ def configurations(sweep: SweepFile) -> list[dict[str, Any]]:
     return [{k: v for part in combo for k, v in part.items()} for combo in itertools.product(*dims)]
 
 
-def expand(sweep: SweepFile) -> list[Trial]:
-    """The sweep's trials: each configuration once per seed (seeds vary fastest)."""
+def expand(sweep: SweepFile, sets: list[str] | None = None) -> list[Trial]:
+    """The sweep's trials: each configuration once per seed (seeds vary fastest). ``sets``:
+    command-line ``--set`` overrides, after the file's ``set`` and before the axes."""
     configs = configurations(sweep)
     seeds: list[int | None] = list(sweep.seeds) if sweep.seeds is not None else [None]
     n = len(configs) * len(seeds)
     width = max(3, len(str(n - 1)))
     trials = []
     for index, (values, seed) in enumerate(itertools.product(configs, seeds)):
-        overrides = list(sweep.overrides)
+        overrides = [*sweep.overrides, *(sets or [])]
         overrides += [f"{p}={toml_literal(v)}" for p, v in values.items()]
         if seed is not None:
             overrides.append(f"train.seed={seed}")
@@ -423,6 +455,11 @@ def axis_paths(sweep: SweepFile) -> list[str]:
     if sweep.random is not None:
         return list(sweep.random.axes)
     return [*sweep.axes, *(p for g in sweep.zipped for p in g)]
+
+
+def varied_paths(sweep: SweepFile) -> list[str]:
+    """Every path the sweep's trials differ in: its axes, and ``train.seed`` under ``seeds``."""
+    return [*axis_paths(sweep), *(["train.seed"] if sweep.seeds is not None else [])]
 
 
 def log_axes(sweep: SweepFile) -> set[str]:

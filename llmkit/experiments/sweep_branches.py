@@ -76,5 +76,5 @@ def plan_branches(plan: SweepPlan, specs: dict[str, Any]) -> dict[str, tuple[str
             kept = set(specs[trial.id].spec.train.checkpoint_steps) | set(longest_of[trial.id])
             extra = f"train.checkpoint_steps={toml_literal(sorted(kept))}"
             plan.trials[i] = replace(trial, overrides=[*trial.overrides, extra])
-            specs[trial.id] = load_spec(plan.base, plan.trials[i].overrides)
+            specs[trial.id] = load_spec(plan.base, plan.overrides(plan.trials[i]))
     return branches

@@ -46,7 +46,9 @@ class TrialJob:
     appended to ``log`` (after ``note``, when given). ``threads`` sets ``OMP_NUM_THREADS``
     (and MKL's, Rayon's); ``gpu`` sets ``CUDA_VISIBLE_DEVICES`` (None: inherited).
     ``max_steps``: an evaluation at that step is the run's last, never offered to a
-    watcher (as the trainer's own ``on_eval``)."""
+    watcher (as the trainer's own ``on_eval``). ``cut_steps`` and ``max_time`` are
+    ``llmkit train``'s ``--max-steps`` (a longer warmup scaled down to fit, with a note) and
+    ``--max-time``: a sweep's or search's command-line limits, passed to every trial."""
 
     run_dir: Path
     log: Path
@@ -57,6 +59,8 @@ class TrialJob:
     threads: int | None = None
     gpu: int | None = None
     note: str | None = None
+    cut_steps: int | None = None
+    max_time: float | None = None
 
 
 def train_command(job: TrialJob) -> list[str]:
@@ -70,7 +74,34 @@ def train_command(job: TrialJob) -> list[str]:
         cmd += [str(job.spec), "--out", str(job.run_dir)]
     for assignment in job.overrides:
         cmd += ["--set", assignment]
+    if job.cut_steps is not None:
+        cmd += ["--max-steps", str(job.cut_steps)]
+    if job.max_time is not None:
+        cmd += ["--max-time", repr(float(job.max_time))]
     return [*cmd, "--no-sample", "--no-progress"]
+
+
+def cut_overrides(spec: Path, overrides: list[str], max_steps: int | None) -> list[str]:
+    """The overrides ``llmkit train SPEC --set … --max-steps N`` trains with: ``overrides``,
+    then the edit scaling the schedule's warmup down to fit ``max_steps`` (when it needs
+    one) and ``train.max_steps=N``, as :func:`llmkit.training.plan.plan_run` applies them; so
+    a sweep or search checks (and reads the length of) the run its trial will train."""
+    if max_steps is None:
+        return list(overrides)
+    from llmkit.errors import LlmkitError
+    from llmkit.spec import apply_override, fit_warmup, load_raw
+
+    extra: list[str] = []
+    try:
+        data = load_raw(spec)
+        for assignment in overrides:
+            apply_override(data, assignment)
+        fitted = fit_warmup(data, max_steps)
+    except LlmkitError:  # a spec that does not read: resolving it reports the problem
+        fitted = None
+    if fitted is not None:
+        extra.append(fitted[0])
+    return [*overrides, *extra, f"train.max_steps={max_steps}"]
 
 
 def trial_env(threads: int | None, gpu: int | None) -> dict[str, str]:

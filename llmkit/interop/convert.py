@@ -5,7 +5,9 @@ Import reads ``config.json``, picks the family by ``model_type``, writes llmkit'
 builds the model and fills it through the family's tensor rules; every checkpoint tensor
 must be used and every model tensor filled. Export asks each family for a config in turn;
 the first that can hold the spec wins, and the config it wrote must import back to the same
-model (so a setting the family would drop is refused, by name, instead of lost).
+model (so a setting the family would drop is refused, by name, instead of lost). What no
+family holds can go out as remote code (:mod:`llmkit.interop.remote`), which import reads
+back too.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import torch
 from torch import nn
 
 from llmkit.errors import LlmkitError, first_line
-from llmkit.interop import hf_files
+from llmkit.interop import hf_files, remote
 from llmkit.interop.family import Family, Refused
 from llmkit.interop.mapping import to_hf, to_llmkit
 from llmkit.spec import Resolved, ResolvedSpec, resolve
@@ -49,8 +51,10 @@ TRAINING_ONLY = {"dropout", "init_std", "scaled_residual_init"}
 
 
 def supported_model_types() -> dict[str, str]:
-    """Every ``model_type`` import reads, with its transformers class name."""
-    return {t: a for f in FAMILIES for t, a in f.architectures.items()}
+    """Every ``model_type`` import reads, with its transformers class name (``llmkit``: a
+    remote-code export of llmkit's own)."""
+    native = {t: a for f in FAMILIES for t, a in f.architectures.items()}
+    return native | {remote.MODEL_TYPE: remote.ARCHITECTURE}
 
 
 #: What a family's arithmetic on a malformed config.json raises (a string for a size, a zero).
@@ -62,7 +66,7 @@ def family_for(model_type: Any) -> Family:
     for fam in FAMILIES:
         if isinstance(model_type, str) and model_type in fam.architectures:
             return fam
-    known = ", ".join(sorted(t for f in FAMILIES for t in f.architectures))
+    known = ", ".join(sorted(supported_model_types()))
     raise LlmkitError(f"model_type {model_type!r} is not supported (supported: {known})")
 
 
@@ -131,6 +135,8 @@ def hf_to_llmkit(hf_dir: str | Path, *, attention: str = "sdpa") -> Imported:
 
     d = Path(hf_dir).expanduser()
     cfg = hf_files.read_config(d)
+    if remote.is_remote(cfg):
+        return _remote_to_llmkit(d, cfg, attention)
     fam = family_for(cfg.get("model_type"))
     cfg = fam.defaults.get(cfg["model_type"], {}) | cfg
     try:
@@ -162,6 +168,31 @@ def hf_to_llmkit(hf_dir: str | Path, *, attention: str = "sdpa") -> Imported:
     notes = fam.notes(cfg)
     kernels = {plan.attention.name for plan in rs.layers}
     if attention != "sdpa" and attention not in kernels:  # asked for, and nowhere used
+        notes.append(f"--attention {attention} has no effect: the layers use {sorted(kernels)}")
+    return Imported(raw, rs, model, cfg, str(source_dtype), notes)
+
+
+def _remote_to_llmkit(d: Path, cfg: dict[str, Any], attention: str) -> Imported:
+    """A remote-code export of llmkit's: the spec from config.json, llmkit's own tensors."""
+    from llmkit.model import build_model
+
+    raw = remote.spec_of(cfg, d.name or "imported", attention)
+    try:
+        rs = resolve(copy.deepcopy(raw), source=f"{d / hf_files.CONFIG} (llmkit_spec)")
+    except LlmkitError as exc:
+        raise LlmkitError(f"the llmkit spec in config.json does not resolve here: {exc}") from exc
+    tensors = hf_files.read_weights(d)
+    dtypes = Counter(str(t.dtype).removeprefix("torch.") for t in tensors.values())
+    ours = remote.llmkit_tensors(tensors, rs.model.tie_embeddings)
+    model = build_model(rs)
+    _fill(model, ours)
+    del tensors, ours
+    model.eval()
+    most = dtypes.most_common(1)[0][0] if dtypes else ""
+    source_dtype = cfg.get("torch_dtype") or cfg.get("dtype") or most
+    notes = ["an llmkit remote-code export: the spec is config.json's llmkit_spec"]
+    kernels = {plan.attention.name for plan in rs.layers}
+    if attention != "sdpa" and attention not in kernels:
         notes.append(f"--attention {attention} has no effect: the layers use {sorted(kernels)}")
     return Imported(raw, rs, model, cfg, str(source_dtype), notes)
 
@@ -248,26 +279,57 @@ def hf_config_for(rs: ResolvedSpec, prefer: str | None = None) -> tuple[Family, 
     raise LlmkitError("no Hugging Face architecture holds this model: " + "; ".join(reasons))
 
 
-def llmkit_to_hf(
-    model: nn.Module, rs: ResolvedSpec, dtype: torch.dtype | None = None, prefer: str | None = None
+def native_hf(
+    model: nn.Module, rs: ResolvedSpec, prefer: str | None = None
 ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """(HF config, HF state dict) of an llmkit model (``prefer``: see :func:`hf_config_for`)."""
+    """(HF config, HF state dict) of the first native family that holds the model, spec and
+    weights alike (a bias-free LayerNorm's gain must be 1); a one-line refusal otherwise."""
     fam, cfg = hf_config_for(rs, prefer)
     state = {k: v.detach() for k, v in model.state_dict().items()}
     tensors = to_hf(fam.rules(cfg), state)
-    if dtype is not None:
-        tensors = {k: v.to(dtype) for k, v in tensors.items()}
     cfg = dict(cfg)
     cfg["architectures"] = [fam.architectures[cfg["model_type"]]]
+    return cfg, tensors
+
+
+def llmkit_to_hf(
+    model: nn.Module,
+    rs: ResolvedSpec,
+    dtype: torch.dtype | None = None,
+    prefer: str | None = None,
+    *,
+    remote_code: bool = False,
+) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """(HF config, HF state dict) of an llmkit model (``prefer``: see :func:`hf_config_for`).
+    What no native family holds is refused, or with ``remote_code`` written as llmkit's
+    remote-code checkpoint (``model_type`` ``llmkit``, :mod:`llmkit.interop.remote`)."""
+    try:
+        cfg, tensors = native_hf(model, rs, prefer)
+    except LlmkitError:
+        if not remote_code:
+            raise
+        cfg, tensors = remote.remote_config(rs), remote.remote_tensors(model, rs)
+    if dtype is not None:
+        tensors = {k: v.to(dtype) for k, v in tensors.items()}
     cfg["torch_dtype"] = str(dtype or next(iter(tensors.values())).dtype).removeprefix("torch.")
     return cfg, tensors
 
 
-def to_transformers(model: nn.Module, rs: ResolvedSpec | None = None) -> nn.Module:
-    """A ``transformers`` model (eval mode) holding an llmkit model's weights, in memory."""
+def to_transformers(
+    model: nn.Module, rs: ResolvedSpec | None = None, *, remote_code: bool = False
+) -> nn.Module:
+    """A ``transformers`` model (eval mode) holding an llmkit model's weights, in memory; what
+    no native family holds is refused, or with ``remote_code`` the remote-code wrapper
+    (``LlmkitForCausalLM`` around llmkit's model, built here from llmkit's own template)."""
     import transformers
 
-    cfg, tensors = llmkit_to_hf(model, rs if rs is not None else model.spec)
+    rs = rs if rs is not None else model.spec
+    try:
+        cfg, tensors = llmkit_to_hf(model, rs)
+    except LlmkitError:
+        if not remote_code:
+            raise
+        return remote.in_memory(model, rs)
     cfg = {k: v for k, v in cfg.items() if k not in ("architectures", "torch_dtype")}
     config = transformers.AutoConfig.for_model(cfg.pop("model_type"), **cfg)
     hf = transformers.AutoModelForCausalLM.from_config(config)

@@ -4,18 +4,22 @@
 An imported run is a normal run directory (``spec.yaml``, ``resolved.json``,
 ``model.safetensors``, ``tokenizer.json``), plus ``hf_source.json``: where it came from, the
 checkpoint's dtype, its special token ids and generation config, which export writes back.
+
+Export writes a native family's checkpoint where one holds the model, else llmkit's
+remote-code checkpoint (:mod:`llmkit.interop.remote`); :class:`Exported` says which.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from llmkit.errors import LlmkitError
-from llmkit.interop import hf_files
+from llmkit.interop import hf_files, remote
 from llmkit.interop.convert import Imported, hf_to_llmkit, llmkit_to_hf
 from llmkit.interop.hf_tokenizer import HFTokenizerFiles, read_hf_tokenizer, write_run_tokenizer
 from llmkit.runs import check_empty_output
@@ -84,12 +88,38 @@ def _dtype(name: str, source: dict[str, Any]) -> torch.dtype:
     return DTYPES[name]
 
 
+@dataclass
+class Exported:
+    """What :func:`export_hf` wrote: the files, the ``model_type`` and architecture, and
+    whether it is llmkit's remote code (no native family holds the model)."""
+
+    files: list[str]
+    model_type: str
+    architecture: str
+    remote_code: bool
+
+    def how(self) -> str:
+        """``native family llama (LlamaForCausalLM)`` or the remote code and how to load it."""
+        if self.remote_code:
+            return (
+                f"remote code ({self.architecture} in modeling_llmkit.py: no native family "
+                "holds the model; load with trust_remote_code=True where llmkit is installed)"
+            )
+        return f"native family {self.model_type} ({self.architecture})"
+
+
 def export_hf(
-    run: str | Path, out: str | Path, *, dtype: str = "auto", which: str = "final"
-) -> list[str]:
+    run: str | Path,
+    out: str | Path,
+    *,
+    dtype: str = "auto",
+    which: str = "final",
+    native_only: bool = False,
+) -> Exported:
     """Write the run ``run`` as an HF checkpoint directory ``out`` (absent or empty) that
-    ``transformers.AutoModelForCausalLM`` and ``AutoTokenizer`` load with no custom code;
-    returns the file names written."""
+    ``transformers.AutoModelForCausalLM`` and ``AutoTokenizer`` load: with no custom code
+    where a native family holds the model, else as llmkit's remote code (refused instead
+    with ``native_only``)."""
     from llmkit.interop.hf_tokenizer import write_hf_tokenizer
     from llmkit.runs import ADAPTER_SECTION, TOKENIZER_FILE, build_run_model, open_run
     from llmkit.runs.checkpoints import load_weights
@@ -104,7 +134,9 @@ def export_hf(
     load_weights(model, found.weights(which))
     source_file = found.dir / SOURCE_FILE
     source = hf_files.read_json(source_file) if source_file.is_file() else {}
-    cfg, tensors = llmkit_to_hf(model, rs, _dtype(dtype, source), source.get("model_type"))
+    cfg, tensors = llmkit_to_hf(
+        model, rs, _dtype(dtype, source), source.get("model_type"), remote_code=not native_only
+    )
     has_tokenizer = (found.dir / TOKENIZER_FILE).is_file()
     tok = found.tokenizer(rs) if has_tokenizer else None
     eos = tok.eos_id if tok is not None else None
@@ -117,6 +149,8 @@ def export_hf(
     generation = source.get("generation_config") or {k: v for k, v in ids.items() if v is not None}
     hf_files.write_json(out / hf_files.GENERATION_CONFIG, generation)
     written = [hf_files.CONFIG, hf_files.SAFETENSORS, hf_files.GENERATION_CONFIG]
+    if remote.is_remote(cfg):
+        written += remote.write_code(out)
     if tok is not None:
         written += write_hf_tokenizer(
             found.dir,
@@ -125,4 +159,4 @@ def export_hf(
             bos_token=source.get("bos_token"),
             model_max_length=rs.model.max_seq_len,
         )
-    return written
+    return Exported(written, cfg["model_type"], cfg["architectures"][0], remote.is_remote(cfg))

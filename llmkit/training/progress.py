@@ -19,8 +19,13 @@ class ProgressDisplay:
         completed: int,
         log: Callable[[str], None],
         enabled: bool | None = None,
+        *,
+        objective: str = "cross_entropy",
     ) -> None:
         self.total = total
+        #: The training loss's label: ``loss`` for the cross-entropy, else the objective,
+        #: named (``objective distill 3.3200``), so it is not read as a cross-entropy.
+        self.loss_label = "loss" if objective == "cross_entropy" else f"objective {objective}"
         self.log = log
         self.bar = self._start(completed, enabled)
         if self.bar is not None and log is print:
@@ -58,7 +63,12 @@ class ProgressDisplay:
         return bar
 
     def show(self, record: dict[str, Any]) -> None:
-        info = f"loss {record['loss']:.4f} lr {record['lr']:.2e} {record['tokens_per_s']:.0f} tok/s"
+        info = (
+            f"{self.loss_label} {record['loss']:.4f} lr {record['lr']:.2e} "
+            f"{record['tokens_per_s']:.0f} tok/s"
+        )
+        if "trained_tokens_per_s" in record:  # padding or masked prompts: what is learned
+            info += f" ({record['trained_tokens_per_s']:.0f} trained)"
         if "mfu" in record:
             info += f" mfu {100 * record['mfu']:.1f}%"
         if self.bar is None:

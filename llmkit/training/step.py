@@ -55,11 +55,12 @@ def resolve_precision(
 class StepResult:
     """What one step did: the objective (mean over micro-batches and ranks), the gradient
     norm before clipping, every auxiliary loss and metric as ``aux/<path>`` and
-    ``metric/<path>``, and whether the update was applied.
+    ``metric/<path>``, whether the update was applied, and ``trained``: the step's trained
+    targets (those not -100) over every micro-batch and rank (None when not counted).
 
     A step that left the non-finite check to the device returns its values as one device
     vector (:meth:`on_device`); the first attribute read copies it to the host, waiting for
-    the step's kernels. :meth:`read_all` reads many results in one transfer; :attr:`known`
+    the step's kernels. :meth:`read_all` reads many results at one wait; :attr:`known`
     says whether reading costs a wait."""
 
     def __init__(
@@ -68,22 +69,29 @@ class StepResult:
         grad_norm: float,
         reported: dict[str, float] | None = None,
         applied: bool = True,
+        trained: int | None = None,
     ) -> None:
-        self._values: tuple[bool, float, float, dict[str, float]] | None = (
+        self._values: tuple[bool, float, float, dict[str, float], int | None] | None = (
             bool(applied),
             float(loss),
             float(grad_norm),
             dict(reported or {}),
+            None if trained is None else int(trained),
         )
         self._packed: Tensor | None = None
+        self._count: Tensor | None = None
         self._names: list[str] = []
 
     @classmethod
-    def on_device(cls, packed: Tensor, names: Sequence[str]) -> StepResult:
+    def on_device(
+        cls, packed: Tensor, names: Sequence[str], trained: Tensor | None = None
+    ) -> StepResult:
         """A result still on the device: ``packed`` is the float vector ``[applied (1 or
-        0), loss, grad_norm, *reported]``, ``names`` the reported values' names."""
+        0), loss, grad_norm, *reported]``, ``names`` the reported values' names, ``trained``
+        the step's count of trained targets (an integer scalar: exact at any size)."""
         result = cls.__new__(cls)
         result._values, result._packed, result._names = None, packed.detach(), list(names)
+        result._count = None if trained is None else trained.detach().reshape(1)
         return result
 
     @property
@@ -91,12 +99,13 @@ class StepResult:
         """Whether the values are on the host already (reading them waits for nothing)."""
         return self._values is not None
 
-    def _fill(self, values: list[float]) -> None:
+    def _fill(self, values: list[float], trained: int | None) -> None:
         applied, loss, grad_norm, *rest = values
-        self._values = (applied > 0.5, loss, grad_norm, dict(zip(self._names, rest, strict=True)))
-        self._packed = None
+        reported = dict(zip(self._names, rest, strict=True))
+        self._values = (applied > 0.5, loss, grad_norm, reported, trained)
+        self._packed = self._count = None
 
-    def _read(self) -> tuple[bool, float, float, dict[str, float]]:
+    def _read(self) -> tuple[bool, float, float, dict[str, float], int | None]:
         if self._values is None:
             StepResult.read_all([self])
         assert self._values is not None
@@ -104,17 +113,21 @@ class StepResult:
 
     @staticmethod
     def read_all(results: Iterable[StepResult]) -> None:
-        """Bring every result still on the device to the host in one transfer (one wait)."""
+        """Bring every result still on the device to the host (one wait: the counts of
+        trained targets, integers, follow the values once those are read)."""
         pending = [r for r in results if r._values is None]
         if not pending:
             return
         assert all(r._packed is not None for r in pending)
         packs = [r._packed for r in pending]
-        flat = torch.cat([p.to(packs[0].device) for p in packs]).tolist()  # type: ignore[union-attr]
+        device = packs[0].device  # type: ignore[union-attr]
+        flat = torch.cat([p.to(device) for p in packs]).tolist()  # type: ignore[union-attr]
+        counted = [r._count.to(device) for r in pending if r._count is not None]
+        counts = iter(torch.cat(counted).tolist() if counted else [])
         at = 0
         for r, p in zip(pending, packs, strict=True):
             n = p.numel()  # type: ignore[union-attr]
-            r._fill(flat[at : at + n])
+            r._fill(flat[at : at + n], int(next(counts)) if r._count is not None else None)
             at += n
 
     @property
@@ -133,13 +146,19 @@ class StepResult:
     def reported(self) -> dict[str, float]:
         return self._read()[3]
 
+    @property
+    def trained(self) -> int | None:
+        """The step's trained targets (not -100), all micro-batches and ranks; None when
+        the step did not count them."""
+        return self._read()[4]
+
     def __repr__(self) -> str:
         if self._values is None:
             return f"StepResult(<on {self._packed.device}, not read>)"  # type: ignore[union-attr]
-        applied, loss, grad_norm, reported = self._values
+        applied, loss, grad_norm, reported, trained = self._values
         return (
             f"StepResult(loss={loss!r}, grad_norm={grad_norm!r}, reported={reported!r}, "
-            f"applied={applied!r})"
+            f"applied={applied!r}, trained={trained!r})"
         )
 
 
@@ -201,7 +220,7 @@ class TrainStep:
         self.device_skip = skips_on_device(optimizer)
         self._pin = self.device.type == "cuda"
 
-    def _target_weights(self, targets: list[Tensor]) -> Tensor:
+    def _target_weights(self, targets: list[Tensor]) -> tuple[Tensor, Tensor]:
         """Each micro-batch's share of the step's trained targets (those not -100) over
         every micro-batch and rank, times the number of ranks (data-parallel gradients are
         averaged over ranks): the step's objective is then the mean over all its trained
@@ -210,11 +229,12 @@ class TrainStep:
         value for no targets, not finite for the model's cross-entropy, decides).
 
         A float32 vector on the step's device, counted there (the ranks' total by an
-        all-reduce): the host reads none of it."""
+        all-reduce), and that total (int64: the step's trained targets): the host reads
+        none of it."""
         counts = torch.stack([(y != IGNORE).sum() for y in targets])  # int64: exact
         total = self.strategy.sum_tensor(counts.sum())
         shares = counts.float() * self.strategy.world_size / total.float()
-        return torch.where(total > 0, shares, 1.0 / len(targets))
+        return torch.where(total > 0, shares, 1.0 / len(targets)), total
 
     def _to_device(self, t: Tensor) -> Tensor:
         """A batch tensor on the step's device: a CPU tensor bound for a GPU is copied from
@@ -245,7 +265,7 @@ class TrainStep:
         n = self.grad_accum
         batches = [next_batch() for _ in range(n)]
         batches = [(self._to_device(x), self._to_device(y)) for x, y in batches]
-        weights = self._target_weights([y for _, y in batches])
+        weights, total = self._target_weights([y for _, y in batches])
         trained = weights != 0
         loss_sum = torch.zeros((), device=self.device)
         aux_sums: dict[str, Any] = {}
@@ -287,7 +307,7 @@ class TrainStep:
         if self.scaler is None:
             finite = finite & torch.isfinite(grad_norm)
         result = StepResult.on_device(
-            torch.cat([finite.float(), values[:1], grad_norm, values[1:]]), names
+            torch.cat([finite.float(), values[:1], grad_norm, values[1:]]), names, total
         )
         if self.scaler is None and self.device_skip:
             # The optimizer's kernel reads the check: nothing waits for the device.

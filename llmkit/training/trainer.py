@@ -19,6 +19,7 @@ from torch import nn
 from llmkit import hardware
 from llmkit.data.store import PEAKS_FILE, store_root
 from llmkit.errors import LlmkitError
+from llmkit.model.objective import LOSS_SECTION
 from llmkit.runs import (
     PLOT_FILE,
     TOKENIZER_FILE,
@@ -45,11 +46,33 @@ class NonFiniteLoss(LlmkitError):
     """The loss or gradient became NaN/inf."""
 
 
+#: The name of the model's own cross-entropy as an objective.
+CROSS_ENTROPY = "cross_entropy"
+
+
+def objective_name(rs: ResolvedSpec) -> str:
+    """What a run minimizes, in a word: ``cross_entropy`` (no ``train.loss``), the
+    ``train.loss`` component's name, ``distill`` (``train.distill`` over the
+    cross-entropy) or ``distill(<that name>)``."""
+    loss = rs.components.get(LOSS_SECTION)
+    base = loss.name if loss is not None else CROSS_ENTROPY
+    if rs.spec.train.distill is not None:
+        return "distill" if loss is None else f"distill({base})"
+    return base
+
+
 @dataclass
 class TrainResult:
     """How a run ended. On rank 0, ``model`` is the trained model in memory (the weights just
     saved as ``model.safetensors``; under FSDP a gathered CPU copy) with its ``tokenizer``
-    and resolved ``spec``, so the end-of-training sample needs no reload; None elsewhere."""
+    and resolved ``spec``, so the end-of-training sample needs no reload; None elsewhere.
+
+    ``val_ce`` is the last evaluation's cross-entropy (what compares across objectives;
+    ``val_ppl`` is its exponential); ``val_loss`` and ``best_val_loss`` are the objective
+    (``objective`` names it), which the best checkpoint, early stopping and ``on_eval``
+    follow; both are the same number when the objective is the cross-entropy. ``tokens``
+    counts the tokens fed to the model, ``trained_tokens`` the targets trained on (not
+    -100: padding and masked prompts excluded)."""
 
     run_dir: Path
     step: int
@@ -64,6 +87,16 @@ class TrainResult:
     model: nn.Module | None = None
     tokenizer: Any = None
     spec: ResolvedSpec | None = None
+    val_ce: float | None = None
+    objective: str = CROSS_ENTROPY
+    trained_tokens: int | None = None
+    #: A chat run's first validation conversation up to its first trained token (its
+    #: system and user turns and the assistant's generation prompt), for the sample.
+    chat_prompt: list[int] | None = None
+
+    @property
+    def val_ppl(self) -> float | None:
+        return None if self.val_ce is None else math.exp(min(self.val_ce, 80.0))
 
 
 class Trainer:
@@ -188,7 +221,9 @@ class Trainer:
         self.metrics = RunLog.for_run(self.rs, self.run_dir)  # metrics.jsonl + train.loggers
 
         self.step = 0
-        self.tokens = 0
+        self.tokens = 0  # fed to the model (padding included)
+        self.trained_tokens = 0  # targets trained on (not -100)
+        self.objective_name = objective_name(self.rs)
         self.elapsed = 0.0
         self.best_val: float | None = None
         self.bad_evals = 0
@@ -243,6 +278,10 @@ class Trainer:
             group.update(hyper)
         self.sampler.load_state_dict(state["data"])
         self.step, self.tokens = int(state["step"]), int(state["tokens"])
+        # (a checkpoint from before trained tokens were counted: its tokens, all taken as
+        # trained)
+        trained = state.get("trained_tokens", self.tokens)
+        self.trained_tokens = int(trained) if isinstance(trained, int) else self.tokens
         self.elapsed = float(state["elapsed"])
         self.best_val = state.get("best_val")
         self.bad_evals = int(state.get("bad_evals", 0))
@@ -283,9 +322,12 @@ class Trainer:
         ckpt_every = t.checkpoint_interval or t.eval_interval
         stopped = "max_steps"
         last_val: float | None = None
+        self.last_ce: float | None = None
         start_wall = time.perf_counter() - self.elapsed
-        interval_t0, interval_tokens = time.perf_counter(), 0
-        display = ProgressDisplay(t.max_steps, self.step, self.log, self.progress)
+        interval_t0, interval_tokens, interval_trained = time.perf_counter(), 0, 0
+        display = ProgressDisplay(
+            t.max_steps, self.step, self.log, self.progress, objective=self.objective_name
+        )
         self.log = display.log
         step_tokens = t.batch_size * t.grad_accum * self.block_size * strategy.world_size
         self._pending = []
@@ -302,21 +344,27 @@ class Trainer:
                 if not (result.known or out_of_time or signalled or self._settle_due()):
                     continue  # its outcome is read at the next check point
                 # Read the steps since the last check; skipped ones did not count.
-                skipped, record = self._settle()
+                skipped, trained, record = self._settle(step_tokens)
                 self.step -= skipped
                 self.tokens -= skipped * step_tokens
                 interval_tokens -= skipped * step_tokens
+                self.trained_tokens += trained
+                interval_trained += trained
                 if record is None:  # the latest step was skipped
                     continue
                 if self.step % t.log_interval == 0 or self.step == t.max_steps:
                     now = time.perf_counter()
-                    tps = interval_tokens / max(now - interval_t0, 1e-9)
-                    interval_t0, interval_tokens = now, 0
+                    seconds = max(now - interval_t0, 1e-9)
+                    tps = interval_tokens / seconds
                     record.update(
                         tokens=self.tokens,
+                        trained_tokens=self.trained_tokens,
                         tokens_per_s=round(tps, 1),
-                        elapsed=round(self.elapsed, 3),
                     )
+                    if self.trained_tokens != self.tokens:  # padding or masked prompts
+                        record["trained_tokens_per_s"] = round(interval_trained / seconds, 1)
+                    record["elapsed"] = round(self.elapsed, 3)
+                    interval_t0, interval_tokens, interval_trained = now, 0, 0
                     if self.peak:
                         record["mfu"] = round(self.flops_per_token * tps / self.peak, 4)
                     if strategy.is_main:
@@ -362,6 +410,10 @@ class Trainer:
             model,
             self.tokenizer if model is not None else None,
             self.rs,
+            val_ce=self.last_ce,
+            objective=self.objective_name,
+            trained_tokens=self.trained_tokens,
+            chat_prompt=self._chat_prompt() if model is not None else None,
         )
 
     def _injected_failure(self) -> None:
@@ -402,24 +454,27 @@ class Trainer:
             or len(self._pending) >= MAX_PENDING
         )
 
-    def _settle(self) -> tuple[int, dict[str, Any] | None]:
-        """Read the outcome of every step taken since the last check (one transfer): each
+    def _settle(self, step_tokens: int) -> tuple[int, int, dict[str, Any] | None]:
+        """Read the outcome of every step taken since the last check (one wait): each
         non-finite one stops the run or is skipped (:meth:`_non_finite`; its update was
-        dropped on the device already). Returns how many were skipped, and the metrics
-        record of the latest step (None when it was skipped)."""
+        dropped on the device already). Returns how many were skipped, the trained targets
+        of those applied (``step_tokens`` each for a step that did not count them), and
+        the metrics record of the latest step (None when it was skipped)."""
         pending, self._pending = self._pending, []
         StepResult.read_all(pending)
         first = self.step - len(pending)  # steps counted before them
-        skipped = 0
+        skipped = trained = 0
         for i, result in enumerate(pending):
             if result.applied:
                 self._skipped = 0
+                count = result.trained
+                trained += step_tokens if count is None else count
             else:  # it did not count: the steps after it are numbered one lower
                 self._non_finite(first + i + 1 - skipped, result.loss, result.grad_norm)
                 skipped += 1
         latest = pending[-1]
         if not latest.applied:
-            return skipped, None
+            return skipped, trained, None
         record: dict[str, Any] = {
             "step": self.step - skipped,
             "loss": round(latest.loss, 6),
@@ -427,7 +482,7 @@ class Trainer:
             "grad_norm": round(latest.grad_norm, 6),
         }
         record.update({k: round(v, 6) for k, v in latest.reported.items()})
-        return skipped, record
+        return skipped, trained, record
 
     def _last_good(self) -> str:
         latest = self.checkpoints.latest()
@@ -450,8 +505,10 @@ class Trainer:
         )
 
     def _evaluate(self, history: list[dict[str, Any]]) -> tuple[float, bool]:
-        """The objective on the validation set (and the cross-entropy beside another
-        objective) and whether it is the best so far: the single-process evaluation set
+        """The objective on the validation set and whether it is the best so far; the
+        cross-entropy beside it (``self.last_ce``). "Best", early stopping and ``on_eval``
+        follow the objective, the quantity minimized (the cross-entropy is what the log
+        and ``llmkit compare`` lead with). The single-process evaluation set
         (batches of batch_size × world_size blocks), each batch's rows dealt out to the
         ranks, the token-weighted sums added."""
         from llmkit.data import eval_batches
@@ -485,17 +542,22 @@ class Trainer:
             self.best_val, self.bad_evals = loss, 0
         else:
             self.bad_evals += 1
-        record: dict[str, Any] = {"step": self.step, "val_loss": round(loss, 6)}
-        if not self.objective.is_cross_entropy:
-            record["val_ce"] = round(ce, 6)
-        record["val_ppl"] = round(math.exp(min(ce, 80.0)), 4)
-        record["best_val_loss"] = round(self.best_val, 6)
+        self.last_ce = ce
+        # val_ce and val_ppl: the cross-entropy, whatever the objective; val_loss and
+        # best_val_loss: the objective (the same number as val_ce for the cross-entropy).
+        record: dict[str, Any] = {
+            "step": self.step,
+            "val_loss": round(loss, 6),
+            "val_ce": round(ce, 6),
+            "val_ppl": round(math.exp(min(ce, 80.0)), 4),
+            "best_val_loss": round(self.best_val, 6),
+        }
         if strategy.is_main:
             self.metrics.write(record)
         history.append(record)
         self.log(
-            f"step {self.step}: val loss {loss:.4f}, ppl {record['val_ppl']:.2f}"
-            f"{' (best)' if improved else ''}"
+            f"step {self.step}: "
+            f"{val_line(ce, loss, self.objective_name)}{' (best)' if improved else ''}"
         )
         return loss, improved
 
@@ -520,6 +582,7 @@ class Trainer:
             "rng": rng_state(),
             "step": self.step,
             "tokens": self.tokens,
+            "trained_tokens": self.trained_tokens,
             "elapsed": self.elapsed,
             "best_val": self.best_val,
             "bad_evals": self.bad_evals,
@@ -552,6 +615,22 @@ class Trainer:
             metrics_mod.plot_losses(history, self.run_dir / PLOT_FILE, self.rs.spec.name or "")
             self._plotted = now
 
+    def _chat_prompt(self) -> list[int] | None:
+        """A chat run's first validation conversation up to its first trained target (its
+        system and user turns and the generation prompt), for the end-of-training sample;
+        None for text, or a conversation trained from its start (``mask_prompt = false``)."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            return None
+        val = self.data.validation
+        mask, bounds = val.mask, val.doc_bounds
+        if mask is None or bounds is None or len(bounds) < 2:
+            return None
+        start, end = int(bounds[0]), int(bounds[1])
+        trained = mask[start:end].nonzero()[0]
+        if not len(trained) or trained[0] < 2:
+            return None
+        return [int(i) for i in val.array[start : start + int(trained[0])]]
+
     def _finish(self, history: list[dict[str, Any]]) -> nn.Module | None:
         """Final weights and loss curve; the whole model on rank 0 (None elsewhere)."""
         model = self._full_model()
@@ -560,3 +639,12 @@ class Trainer:
             if self.t.plot:
                 metrics_mod.plot_losses(history, self.run_dir / PLOT_FILE, self.rs.spec.name or "")
         return model
+
+
+def val_line(ce: float, loss: float, objective: str) -> str:
+    """``val ce 4.1234 (ppl 61.76)``, and ``, objective distill 3.3200`` beside it when the
+    objective is not the cross-entropy: the number that compares across runs first."""
+    line = f"val ce {ce:.4f} (ppl {math.exp(min(ce, 80.0)):.2f})"
+    if objective != CROSS_ENTROPY:
+        line += f", objective {objective} {loss:.4f}"
+    return line

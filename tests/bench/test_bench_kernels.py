@@ -91,6 +91,60 @@ def test_attention_records_have_every_field():
             assert r["speedup"] == 1.0 and r["memory_ratio"] == 1.0
         else:
             assert r["speedup"] > 0 and r["baseline"] == "sdpa"
+        # one repeat: no spread, so nothing to judge noise by
+        assert r["times_s"] == [r["median_s"]] == [r["max_s"]]
+        assert r["spread"] is None and r["within_noise"] is None
+
+
+def test_records_carry_the_spread_of_their_repeats():
+    records = bk.add_ratios(_tiny_attention([_entry("sdpa"), _entry("dense")], repeats=3), "sdpa")
+    for r in records:
+        assert len(r["times_s"]) == r["repeats"] == 3
+        assert r["min_s"] == min(r["times_s"]) <= r["median_s"] <= max(r["times_s"]) == r["max_s"]
+        assert r["spread"] == pytest.approx((r["max_s"] - r["min_s"]) / r["median_s"])
+        if r["component"] == "sdpa":  # the baseline against itself
+            assert r["within_noise"] is None
+        else:
+            assert isinstance(r["within_noise"], bool)
+
+
+def _timed(component: str, times_ms: list[float], **case) -> dict:
+    """A record as bench_kernels makes one, with the given repeat times (ms)."""
+    times = [t / 1e3 for t in times_ms]
+    rec = {"kind": "ffn", "device": "cpu", "dtype": "float32", "mode": "fwd", "tokens": 64}
+    rec.update(component=component, status="ok", reason=None, tflops=1.0, peak_memory_bytes=1)
+    rec.update(bk.summarize(times), repeats=len(times), number=1, d_model=32, **case)
+    return rec
+
+
+def test_a_speed_ratio_inside_the_noise_is_marked():
+    """Same code, noisy repeats: 2.6× by the medians, yet the ranges overlap; a real 2×
+    with tight repeats is not marked; a single repeat cannot tell."""
+    records = [
+        _timed("swiglu", [0.26, 0.25, 0.09]),
+        _timed("swiglu_triton", [0.10, 0.09, 0.11]),
+        _timed("swiglu", [0.200, 0.202, 0.201], tokens=256),
+        _timed("fast", [0.100, 0.101, 0.099], tokens=256),
+        _timed("swiglu", [0.2], tokens=1024),
+        _timed("fast", [0.1], tokens=1024),
+    ]
+    base, triton, _, real, _, one = bk.add_ratios(records, "swiglu")
+    assert triton["speedup"] == pytest.approx(2.5) and triton["within_noise"] is True
+    assert real["speedup"] == pytest.approx(2.0, rel=0.02) and real["within_noise"] is False
+    assert one["speedup"] == pytest.approx(2.0) and one["within_noise"] is None
+    assert base["within_noise"] is None  # the baseline against itself
+    assert base["spread"] == pytest.approx((0.26 - 0.09) / 0.25)
+    headers, rows, notes = bk.table_rows(records, "swiglu")
+    assert headers[headers.index("median") + 1] == "spread"
+    speed = {(row[0], row[2]): row[headers.index("speed vs swiglu")] for row in rows}
+    assert speed[("swiglu_triton", "64")] == "2.50× (noise)"
+    assert speed[("fast", "256")] == "2.01×" and speed[("fast", "1024")] == "2.00×"
+    assert speed[("swiglu", "64")] == "1.00×"
+    assert notes == [bk.NOISE_NOTE]
+    spread = {(row[0], row[2]): row[headers.index("spread")] for row in rows}
+    assert spread[("swiglu", "64")] == "68%" and spread[("fast", "1024")] == "-"
+    assert "2.50× (noise)" in bk.pivot_markdown(records, "swiglu")
+    assert bk.markdown_table(records, "swiglu").rstrip().endswith(bk.NOISE_NOTE)
 
 
 def test_an_entrys_context_is_entered_once_around_the_calls():

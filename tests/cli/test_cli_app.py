@@ -4,6 +4,7 @@ and start-up cost (help and listing import no torch)."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -149,3 +150,61 @@ def test_a_registry_that_cannot_load_leaves_help_working(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "validate" in proc.stdout
     assert proc.stderr == f"error: registry file not found: {missing}\n"
+
+
+LONG_PATH = "/data/" + "/".join(f"directory-{i:02d}" for i in range(12)) + "/corpus.jsonl"
+
+
+def _print_table(monkeypatch, columns: str | None) -> None:
+    from llmkit.cli.common import console, table
+
+    if columns is None:
+        monkeypatch.delenv("COLUMNS", raising=False)
+    else:
+        monkeypatch.setenv("COLUMNS", columns)
+    out = table("option", "value", title="options")
+    out.add_row("data.source.paths", LONG_PATH)
+    out.add_row("model.attention.sliding_window.window", "128")
+    console().print(out)
+
+
+@pytest.mark.parametrize("columns", [None, "80", "40"])
+def test_a_table_printed_to_a_pipe_keeps_each_row_on_one_line(monkeypatch, capsys, columns):
+    """Off a terminal rich lays out 80 columns (or $COLUMNS): llmkit's tables do not, so a
+    long path or key is never split over lines, and no line ends in the cells' padding."""
+    _print_table(monkeypatch, columns)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "options"
+    assert lines[1].split() == ["option", "value"]
+    assert lines[2].split() == ["data.source.paths", LONG_PATH]
+    assert lines[3].split() == ["model.attention.sliding_window.window", "128"]
+    assert len(lines) == 4
+    assert all(line == line.rstrip() for line in lines)
+
+
+def test_a_table_on_a_terminal_still_folds_to_its_width(monkeypatch, capsys):
+    monkeypatch.setenv("TTY_COMPATIBLE", "1")  # rich: the output is a terminal
+    _print_table(monkeypatch, "60")
+    out = re.sub(r"\x1b\[[0-9;]*m", "", capsys.readouterr().out)  # bold, italic
+    lines = out.splitlines()
+    assert max(len(line) for line in lines) <= 60
+    assert LONG_PATH not in out and "corpus.jsonl" in out  # folded within its column
+
+
+def test_a_command_piped_prints_whole_rows():
+    """`llmkit show dataset text | cat`: each option's row, description included, is one
+    line (folded continuation lines would start with spaces)."""
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "llmkit.cli", "show", "dataset", "text"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**env, "LLMKIT_PLUGINS": ""},
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    rows = lines[lines.index("options") + 2 :]
+    assert rows and all(not line.startswith(" ") for line in rows), proc.stdout
+    assert any(len(line) > 80 for line in rows)

@@ -5,6 +5,8 @@ other command still works. Fake plugins are registered inline, pm-style."""
 from __future__ import annotations
 
 import json
+import re
+import shlex
 
 import pytest
 
@@ -13,6 +15,7 @@ from llmkit.cli import main
 from llmkit.cli.commands import BUILTIN_COMMANDS, load_commands
 from llmkit.errors import LlmkitError
 from llmkit.registry import reset_registry
+from tests.conftest import ROOT
 from tests.helpers import registry_with
 
 
@@ -200,3 +203,87 @@ def test_commands_load_without_importing_heavy_modules(installed):
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
+
+
+# -- the commands the plugin docs show ------------------------------------------------------------
+
+DOCS = ROOT / "docs" / "plugins"
+
+
+def _doc_commands(text: str) -> list[list[str]]:
+    """The ``llmkit ...`` command lines of a page's ``bash`` blocks, as argv (comments and
+    leading ``VAR=value`` assignments dropped)."""
+    out = []
+    for block in re.findall(r"^```bash\n(.*?)^```$", text, re.M | re.S):
+        for line in block.splitlines():
+            words = shlex.split(line, comments=True)
+            while words and "=" in words[0] and not words[0].startswith("-"):
+                words.pop(0)
+            if words[:1] == ["llmkit"]:
+                out.append(words[1:])
+    return out
+
+
+class TutorialProbe:
+    """Stands in for the tutorial's ``llmkit probe SPEC`` (its plugin is not installed here)."""
+
+    distribution, name = "llmkit-probes", "probes"
+
+    @hookimpl
+    def register_commands(self, register):
+        register("probe", lambda args: 0, help="the tutorial's command", configure=self.configure)
+
+    @staticmethod
+    def configure(parser):
+        parser.add_argument("spec")
+
+
+def test_the_plugin_docs_show_only_commands_that_exist(installed, capsys):
+    """Every ``llmkit`` line of docs/plugins/*.md parses with the real command line."""
+    from llmkit.cli.app import build_parser
+
+    parser = build_parser(load_commands(installed(TutorialProbe())).commands)
+    shown = {
+        page.name: _doc_commands(page.read_text(encoding="utf-8")) for page in DOCS.glob("*.md")
+    }
+    assert len(shown["tutorial.md"]) >= 10  # the blocks were found
+    for page, argvs in shown.items():
+        for argv in argvs:
+            try:
+                parser.parse_args(argv)
+            except SystemExit as exc:  # --help and --version exit 0; a bad command exits 2
+                assert exc.code == 0, (page, argv, capsys.readouterr().err)
+    capsys.readouterr()
+
+
+def test_the_tutorial_sets_up_a_separate_environment():
+    """The tutorial installs llmkit and the plugin into an environment of their own (from
+    the checkout or a wheel), and the plugin editable beside a non-editable llmkit, then shows
+    how to check that llmkit sees it."""
+    text = (DOCS / "tutorial.md").read_text(encoding="utf-8")
+    start = text.index("## Set up an environment\n")
+    section = text[start : text.index("\n## ", start + 1)]
+    lines = [
+        line.split("#")[0].strip()
+        for block in re.findall(r"^```bash\n(.*?)^```$", section, re.M | re.S)
+        for line in block.splitlines()
+    ]
+    for expected in (
+        r"python3\.11 -m venv \S+",
+        r"pip install -e /path/to/llmkit",  # editable, from the checkout
+        r"pip install /path/to/dist/llmkit-[\d.]+-py3-none-any\.whl",  # a wheel, not editable
+        r"pip install -e \./llmkit-softcap",  # the plugin, editable beside it
+        r"llmkit plugin new llmkit-softcap --kind attention",
+        r"llmkit plugins",
+        r"llmkit list attention softcap",
+    ):
+        assert any(re.fullmatch(expected, line) for line in lines), (expected, lines)
+    assert "pip wheel --no-deps -w dist /path/to/llmkit" in section
+    assert [argv[0] for argv in _doc_commands(section)] == [
+        "--version",
+        "plugin",
+        "plugins",
+        "list",
+        "show",
+        "list",
+    ]

@@ -129,8 +129,8 @@ def test_few_shot_examples_from_their_own_file(tmp_path):
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
-        ({"context": "{{ missing }}"}, "document 1: 'missing' is undefined"),
-        ({"gold": "{{ answer + 5 }}"}, "document 1: gold index 5 is outside the 2 choices"),
+        ({"context": "{{ missing }}"}, r"document 1 \(yn.jsonl line 1\): 'missing' is undefined"),
+        ({"gold": "{{ answer + 5 }}"}, r"document 1 \(yn.jsonl line 1\): gold index 5 is outside"),
         ({"gold": "maybe"}, "gold 'maybe' is neither an index, a label nor a choice"),
         ({"choices": "q"}, "choices field 'q' is not a non-empty list"),
     ],

@@ -9,7 +9,14 @@ import pytest
 
 from llmkit.cli import main
 from llmkit.errors import LlmkitError
-from llmkit.experiments.compare import compare, differences, flatten, metric_table
+from llmkit.experiments.compare import (
+    best_run,
+    compare,
+    differences,
+    flatten,
+    metric_table,
+    objective_name,
+)
 from llmkit.training import train
 from tests.helpers import write_train_spec
 
@@ -46,7 +53,11 @@ def test_only_the_differences_and_every_metric(runs):
         val = [r["val_loss"] for r in records(run) if "val_loss" in r]
         assert table["val_loss"][i] == val[-1] and table["best_val_loss"][i] == min(val)
         assert table["step"][i] == 4 and table["train_loss"][i] == records(run)[-2]["loss"]
-    assert list(table)[:3] == ["step", "tokens", "train_loss"]
+        # The cross-entropy leads; for these runs it is also their objective.
+        assert table["val_ce"][i] == table["val_loss"][i]
+        assert table["objective"][i] == "cross_entropy"
+        assert table["trained_tokens"][i] == table["tokens"][i]
+    assert list(table)[:3] == ["val_ce", "val_ppl", "best_val_ce"]
 
 
 def test_task_results_show_once_evaluated(runs):
@@ -70,6 +81,49 @@ def test_a_directory_of_runs_and_the_command(runs, tmp_path, capsys):
     assert main(["compare", str(runs / "a"), str(runs / "b")]) == 0
     out = capsys.readouterr().out
     assert "optimizer.lr" in out and "best_val_loss" in out
+
+
+def test_runs_are_ranked_by_cross_entropy_not_by_their_objectives(runs, tmp_path, capsys):
+    """A distilled student's objective (α·T²·KL + (1−α)·CE) looked better than a student
+    trained alone (3.32 against 5.94) while its cross-entropy was worse (6.06 against
+    5.89): compare leads with val_ce and ranks by it, the objective labelled beside it."""
+    import shutil
+
+    for name, val in (
+        ("distilled", {"val_loss": 3.32, "val_ce": 6.06, "val_ppl": 428.38}),
+        ("alone", {"val_loss": 5.94, "val_ce": 5.89, "val_ppl": 361.41}),
+    ):
+        run = tmp_path / name
+        shutil.copytree(runs / "a", run)
+        lines = [r for r in records(run) if "val_loss" not in r]
+        lines.append({"step": 4, **val, "best_val_loss": val["val_loss"]})
+        (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    # A run logged before every evaluation carried val_ce: its val_loss is the cross-entropy.
+    old = tmp_path / "old"
+    shutil.copytree(runs / "b", old)
+    lines = [{k: v for k, v in r.items() if k != "val_ce"} for r in records(old)]
+    (old / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+
+    summaries = compare([tmp_path / "distilled", tmp_path / "alone", old])
+    table = metric_table(summaries)
+    assert table["val_ce"][:2] == [6.06, 5.89] and table["val_loss"][:2] == [3.32, 5.94]
+    assert table["val_ce"][2] == table["val_loss"][2]
+    assert best_run(summaries[:2]).label == "alone"  # not the lower objective
+    assert main(["compare", str(tmp_path / "distilled"), str(tmp_path / "alone")]) == 0
+    out = capsys.readouterr().out
+    rows = [line.split()[0] for line in out.splitlines() if line.strip()]
+    assert rows.index("val_ce") < rows.index("val_ppl") < rows.index("objective")
+    assert rows.index("val_ce") < rows.index("val_loss") < rows.index("train_loss")
+    assert "val_loss (objective)" in out and "best_val_loss (objective)" in out
+    assert "best by val_ce (cross-entropy): alone (5.8900)" in out
+
+
+def test_the_objective_is_named_from_the_spec():
+    assert objective_name({"train.max_steps": 4}) == "cross_entropy"
+    assert objective_name({"train.loss.name": "z_loss"}) == "z_loss"
+    assert objective_name({"train.distill.teacher": "/runs/t"}) == "distill"
+    both = {"train.distill.teacher": "/runs/t", "train.loss.name": "label_smoothing"}
+    assert objective_name(both) == "distill(label_smoothing)"
 
 
 def test_bad_paths_are_one_line_errors(tmp_path, capsys):

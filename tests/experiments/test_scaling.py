@@ -417,3 +417,24 @@ def test_meta_device_build_allocates_nothing(runs):
     with torch.device("meta"):
         model = build_model(open_run(runs[1]).resolve())
     assert all(p.is_meta for p in model.parameters())
+
+
+def test_cli_fit_says_how_many_bootstrap_refits_converged(cli, tmp_path):
+    """6 points of 3 sizes × 2 token counts: most resamples lack 5 distinct (N, D) and are
+    drawn again, up to 2n draws; the table's line says so, not only the JSON."""
+    data = write_csv(tmp_path / "six.csv", grid_points(0.01, ns=N_GRID[:3], ds=D_GRID[:2]))
+    out = tmp_path / "fit.json"
+    code, stdout, err = cli("scaling", "fit", data, "--bootstrap", "20", "--out", out, "--no-plot")
+    assert code == 0, err
+    boot = json.loads(out.read_text())["bootstrap"]
+    got, failed = boot["n"], boot["failed"]
+    assert 0 < got < 20 and got + failed == 40
+    assert f"{got} of 20 bootstrap refits converged ({failed} of 40 resamples failed" in stdout
+    code, stdout, _ = cli("scaling", "plan", "--flops", "1e20", "--fit", out)
+    assert code == 0 and f"note: the intervals rest on {got} of 20 bootstrap refits" in stdout
+    # all converged: a plain count
+    code, stdout, _ = cli(
+        "scaling", "fit", write_csv(tmp_path / "grid.csv", grid_points(0.01)),
+        "--bootstrap", "5", "--out", tmp_path / "g.json", "--no-plot",
+    )  # fmt: skip
+    assert code == 0 and "; 5 bootstrap refits" in stdout and "converged" not in stdout

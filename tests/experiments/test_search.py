@@ -75,7 +75,7 @@ def test_a_study_prunes_poor_trials_and_goes_on_where_it_stopped(tmp_path):
     slow_late = [r for r in rows[2:] if r["optimizer.lr"] == 1e-6]
     assert slow_late and all(r["state"] == "PRUNED" and r["steps"] < 9 for r in slow_late)
     for row in slow_late:  # judged at step 3, stopped by the trial runner: SIGTERM, one step
-        assert row["last_reported_step"] == 3
+        assert row["pruned_at"] == 3
         log = (out / "logs" / f"trial-{row['trial']:04d}.log").read_text()
         assert "(SIGTERM)" in log and "Traceback" not in log
     assert result.best["optimizer.lr"] == 0.02

@@ -271,7 +271,7 @@ def test_every_bad_trial_is_reported_at_once_and_nothing_runs(tmp_path, capsys):
     assert "t001-n_heads=4" in listing and "model.n_heads=4" in listing
     assert "2 trials, all valid; nothing was run" in listing
     assert not out.exists()
-    with pytest.raises(LlmkitError, match="base: no spec file"):
+    with pytest.raises(LlmkitError, match=r"base .nope.toml. \(relative to .*: no spec file"):
         load_plan(sweep_file(tmp_path, 'base = "nope.toml"\n', "nobase.toml"))
 
 

@@ -176,7 +176,7 @@ def test_sweeps_and_searches_train_their_trials_through_one_runner(tmp_path, mon
     for row in rows:
         log = (out / "logs" / f"trial-{row['trial']:04d}.log").read_text()
         if row["state"] == "PRUNED":
-            assert row["optimizer.lr"] == 0.05 and row["last_reported_step"] < 8
+            assert row["optimizer.lr"] == 0.05 and row["pruned_at"] < 8
             assert "(SIGTERM)" in log and row["steps"] < 8
         else:
             assert row["value"] == pytest.approx(row["optimizer.lr"] * 100 + 1 / 8)

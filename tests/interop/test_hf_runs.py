@@ -183,7 +183,7 @@ def test_bad_input_is_one_line(checkpoint, run, tmp_path, capsys):
     assert "not empty" in err
 
 
-def test_export_refuses_what_no_hf_architecture_holds(tmp_path, capsys):
+def test_native_only_refuses_what_no_hf_architecture_holds(tmp_path, capsys):
     from llmkit.model import build_model
     from llmkit.runs import save_spec
     from llmkit.runs.checkpoints import save_weights
@@ -201,8 +201,13 @@ def test_export_refuses_what_no_hf_architecture_holds(tmp_path, capsys):
     run.mkdir()
     save_spec(rs, run)
     save_weights(build_model(rs), run / "model.safetensors")
-    err = one_line_error(capsys, ["export-hf", str(run), str(tmp_path / "out")])
+    argv = ["export-hf", "--native-only", str(run), str(tmp_path / "out")]
+    err = one_line_error(capsys, argv)
     assert "no Hugging Face architecture" in err and "alibi" in err
+    assert not (tmp_path / "out").exists()
+    # without --native-only it goes out as llmkit's remote code (test_hf_remote_code.py)
+    assert main(["export-hf", str(run), str(tmp_path / "out")]) == 0
+    assert "as remote code" in capsys.readouterr().out
 
 
 def test_export_compares_options_by_their_effect():

@@ -4,7 +4,9 @@ path — a text base, init_from, LoRA, chat data, generate --chat — works end 
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -82,9 +84,39 @@ def test_eval_scores_the_trained_tokens_as_training_does(tmp_path, capsys, sampl
     assert "trained tokens" in out.err
 
 
+def test_a_chat_run_counts_the_tokens_it_trains_on(tmp_path, capsys):
+    """Padded rows and masked prompts are fed to the model but not trained on: the
+    metrics' ``trained_tokens`` (and the done line) count the targets that are not -100,
+    exactly, beside the tokens seen."""
+    from llmkit.data import make_sampler, prepare_data
+    from llmkit.runs import open_run
+    from tests.training.kill_resume import read_metrics
+
+    spec = chat_spec(tmp_path, max_steps=6, eval_interval=6, log_interval=3)
+    run = tmp_path / "run"
+    assert main(["train", str(spec), "--out", str(run), "--no-sample", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    steps = [m for m in read_metrics(run) if "loss" in m]
+    # The same batches, drawn again: their targets that are not -100.
+    rs = open_run(run).resolve()
+    data = prepare_data(rs, run, log=lambda _m: None)
+    sampler = make_sampler(rs.spec.data.sampling, data.train, 40, rs.spec.train.seed)
+    trained = [int((sampler.next_batch(8)[1] != -100).sum()) for _ in range(6)]
+    assert [m["trained_tokens"] for m in steps] == [sum(trained[:3]), sum(trained)]
+    assert [m["tokens"] for m in steps] == [3 * 8 * 40, 6 * 8 * 40]  # fed, padding included
+    assert sum(trained) < 6 * 8 * 40 / 3  # mostly padding and prompts
+    assert all(0 < m["trained_tokens_per_s"] < m["tokens_per_s"] for m in steps)
+    assert f"done: 6 steps, 1,920 tokens ({sum(trained):,} trained) in " in out
+    assert re.search(r"^step 6/6: loss [\d.]+ lr \S+ \d+ tok/s \(\d+ trained\)", out, re.M)
+
+
 def test_chat_fine_tuning_of_a_text_base_with_lora(tmp_path, capsys):
+    from llmkit.training import sample_text
+
     corpus = "".join(f"User: {p}\nAssistant: {r}\n" for p, r in PAIRS) * 20
-    base = write_train_spec(tmp_path / "b", corpus, max_steps=20, eval_interval=20)
+    base = write_train_spec(
+        tmp_path / "b", corpus, max_steps=20, eval_interval=20, sample_prompt="def "
+    )
     base_data = yaml.safe_load(base.read_text())
     base_data["model"]["max_seq_len"] = 48
     base.write_text(yaml.safe_dump(base_data))
@@ -95,8 +127,14 @@ def test_chat_fine_tuning_of_a_text_base_with_lora(tmp_path, capsys):
     data = yaml.safe_load(spec.read_text())
     data["model"] = yaml.safe_load(base.read_text())["model"]
     data["model"]["adapter"] = {"name": "lora", "rank": 8, "targets": ["*"]}
+    # What `extends` of the base's spec gives: the text base's prompt, no user message.
+    data["train"].update(sample_prompt="def ", sample_tokens=12)
     spec.write_text(yaml.safe_dump(data))
-    train(spec, run_dir=tmp_path / "tuned", **quiet())
+    result = train(spec, run_dir=tmp_path / "tuned", **quiet())
+    # The sample answers the first user turn of the validation data instead.
+    user, reply = sample_text(result).split("\n", 1)
+    assert user in {f"[user, from the validation data] {p}" for p, _ in PAIRS}, user
+    assert reply.startswith("[assistant] ")
     capsys.readouterr()
     args = ["generate", str(tmp_path / "tuned"), "--chat", "bye", "--temperature", "0"]
     assert main([*args, "--max-new-tokens", "12"]) == 0
@@ -121,6 +159,14 @@ def test_the_end_of_training_sample_of_a_chat_model_is_a_reply(tmp_path):
     assert text.startswith("[user] yes\n[assistant] s")  # sampled (temperature 0.8)
     reply = text.split("[assistant] ")[1]
     assert 0 < len(reply) < 12 and "<|im" not in reply  # stopped at the end of its turn
+    # Without a prompt, a chat run answers its first validation conversation's user turn
+    # (not a continuation of the document separator).
+    unprompted = dataclasses.replace(
+        result, spec=result.spec.with_settings({"train.sample_prompt": ""})
+    )
+    user, reply = sample_text(unprompted).split("\n", 1)
+    assert user in {f"[user, from the validation data] {p}" for p, _ in PAIRS}, user
+    assert reply.startswith("[assistant] ") and "<|im" not in reply
 
 
 def test_a_fine_tune_may_add_the_templates_tokens_to_its_vocabulary(tmp_path, capsys):
@@ -178,3 +224,10 @@ def test_a_chat_run_resumes_exactly(tmp_path, sampling):
     assert killed_at < 24
     assert losses(run) == losses(full) and len(losses(full)) == 24
     assert val_losses(run) == val_losses(full)
+
+    def trained(run: Path) -> list[tuple[int, int, int]]:  # the counts carry over exactly
+        rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+        return [(m["step"], m["tokens"], m["trained_tokens"]) for m in rows if "loss" in m]
+
+    assert trained(run) == trained(full)
+    assert trained(full)[-1][2] < trained(full)[-1][1]  # padding and prompts not counted

@@ -132,6 +132,60 @@ def test_a_distilled_run_logs_both_parts_and_takes_the_teachers_tokenizer(teache
     assert saved["train"]["distill"]["temperature"] == 2.5
 
 
+def test_a_distilled_run_is_reported_and_compared_by_its_cross_entropy(
+    teacher_run, tmp_path, capsys
+):
+    """The mixed objective (α·T²·KL + (1−α)·CE) is no cross-entropy: the done line, the
+    evaluation line and ``llmkit compare`` lead with val_ce and label the objective, and
+    compare ranks a distilled student against one trained alone by cross-entropy."""
+    import json
+    import re
+
+    from llmkit.experiments.trial import stop_reason
+
+    spec = write_train_spec(tmp_path / "s", CORPUS, max_steps=4, eval_interval=4)
+    alone, distilled = tmp_path / "alone", tmp_path / "distilled"
+    common = ["--no-sample", "--no-progress"]
+    tokenizer = f"tokenizer.path={teacher_run / 'tokenizer.json'}"
+    assert main(["train", str(spec), "--out", str(alone), "--set", tokenizer, *common]) == 0
+    capsys.readouterr()
+    teacher = f"train.distill.teacher={teacher_run}"
+    assert main(["train", str(spec), "--out", str(distilled), "--set", teacher, *common]) == 0
+    out = capsys.readouterr().out
+    (val,) = [m for m in read_metrics(distilled) if "val_loss" in m]
+    assert abs(val["val_loss"] - val["val_ce"]) > 1e-3  # the objective is another number
+    number = r"([\d.]+)"
+    (done,) = [line for line in out.splitlines() if line.startswith("done: ")]
+    pattern = (
+        rf"\(max_steps\); val loss: ce {number} \(ppl {number}\), objective distill {number}; "
+    )
+    found = re.search(pattern, done)
+    assert found, done
+    assert float(found[1]) == pytest.approx(val["val_ce"], abs=1e-4)
+    assert float(found[2]) == pytest.approx(val["val_ppl"], abs=0.01)
+    assert float(found[3]) == pytest.approx(val["val_loss"], abs=1e-4)
+    line = rf"^step 4: val ce {number} \(ppl {number}\), objective distill {number} \(best\)$"
+    assert re.search(line, out, re.M), out
+    assert stop_reason(out.splitlines()) == "max_steps"
+
+    assert main(["compare", str(alone), str(distilled), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    table = report["metrics"]
+    assert list(table)[:3] == ["val_ce", "val_ppl", "best_val_ce"]
+    (alone_val,) = [m for m in read_metrics(alone) if "val_loss" in m]
+    assert table["val_ce"] == [alone_val["val_ce"], val["val_ce"]]
+    assert table["val_loss"] == [alone_val["val_loss"], val["val_loss"]]  # the objectives
+    assert table["objective"] == ["cross_entropy", "distill"]
+    best = "alone" if alone_val["val_ce"] < val["val_ce"] else "distilled"
+    assert report["best"] == {"metric": "val_ce", "run": best}
+    assert main(["compare", str(alone), str(distilled)]) == 0
+    text = capsys.readouterr().out
+    rows = [ln.split()[0] for ln in text.splitlines() if ln.strip().startswith(("val", "best"))]
+    assert rows[:3] == ["val_ce", "val_ppl", "best_val_ce"], text
+    assert "val_loss (objective)" in text and "distill" in text
+    assert f"best by val_ce (cross-entropy): {best} (" in text
+
+
 def test_teacher_and_student_must_share_a_tokenizer(teacher_run, tmp_path):
     other = write_train_spec(tmp_path / "o", CORPUS.upper(), max_steps=2, eval_interval=2)
     train(other, run_dir=tmp_path / "other", **quiet())

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -98,8 +99,39 @@ def test_label_smoothing_trains_a_different_curve_than_cross_entropy(losses_on, 
     ce_gap = vals["label_smoothing"]["val_ce"] - vals["default"]["val_loss"]
     assert abs(ce_gap) > 1e-5
     assert vals["cross_entropy"]["val_loss"] == vals["default"]["val_loss"]
-    assert "val_ce" not in vals["default"]  # val_loss is the cross-entropy there
+    assert vals["default"]["val_ce"] == vals["default"]["val_loss"]  # the same number there
     assert vals["cross_entropy"]["val_ce"] == vals["cross_entropy"]["val_loss"]
+
+
+def test_a_z_loss_run_reports_its_cross_entropy_first_and_names_its_objective(
+    losses_on, tmp_path, capsys
+):
+    """The numbers users compare runs by are cross-entropies: the log's evaluation line
+    and the done line lead with val_ce (ppl), the objective beside them, named."""
+    from llmkit.cli import main
+    from llmkit.experiments.trial import stop_reason
+
+    spec = write_spec(tmp_path, {"name": "z_loss", "weight": 0.1}, max_steps=4, eval_interval=4)
+    run = tmp_path / "run"
+    assert main(["train", str(spec), "--out", str(run), "--no-sample", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    (val,) = [m for m in read_metrics(run) if "val_loss" in m]
+    assert val["val_loss"] > val["val_ce"] + 1e-3  # two numbers, told apart below
+    number = r"([\d.]+)"
+    (done,) = [line for line in out.splitlines() if line.startswith("done: ")]
+    found = re.search(
+        rf"\(max_steps\); val loss: ce {number} \(ppl {number}\), objective z_loss {number}; ",
+        done,
+    )
+    assert found, done
+    ce, ppl, objective = (float(found[i]) for i in (1, 2, 3))
+    assert ce == pytest.approx(val["val_ce"], abs=1e-4)
+    assert ppl == pytest.approx(math.exp(val["val_ce"]), rel=1e-3)
+    assert objective == pytest.approx(val["val_loss"], abs=1e-4)
+    line = rf"^step 4: val ce {number} \(ppl {number}\), objective z_loss {number} \(best\)$"
+    assert re.search(line, out, re.M), out
+    assert re.search(r"^step 4/4: objective z_loss [\d.]+ lr ", out, re.M), out  # not a bare "loss"
+    assert stop_reason(out.splitlines()) == "max_steps"  # what sweeps read still parses
 
 
 def test_validation_reports_the_objective_evaluated_like_a_training_step(losses_on, tmp_path):
@@ -117,6 +149,8 @@ def test_validation_reports_the_objective_evaluated_like_a_training_step(losses_
     assert val["val_ppl"] == pytest.approx(math.exp(val["val_ce"]), rel=1e-3)
     assert val["val_loss"] > val["val_ce"]  # the z-loss term is positive
     assert result.best_val_loss == pytest.approx(val["val_loss"], abs=1e-6)
+    assert result.val_ce == pytest.approx(val["val_ce"], abs=1e-6)
+    assert result.objective == "z_loss"
 
     # The same numbers from the final weights, evaluated by hand on the same blocks.
     rs, model = result.spec, result.model

@@ -55,6 +55,7 @@ def test_accumulation_weights_micro_batches_by_their_trained_targets(model):
     mean = torch.nn.functional.cross_entropy(logits.reshape(-1, 64), y.reshape(-1)).item()
     assert whole.loss == pytest.approx(mean, rel=1e-5)
     assert split.loss == pytest.approx(mean, rel=1e-5)  # 34 targets, not a mean of 2 means
+    assert whole.trained == split.trained == 34  # the step's trained targets, counted exactly
     torch.testing.assert_close(g_split, g_whole, rtol=1e-4, atol=1e-6)
 
 
@@ -225,6 +226,7 @@ def test_results_are_read_together_in_one_transfer(model):
     assert not any(r.known for r in results)
     StepResult.read_all(results)
     assert all(r.known and r.applied for r in results)
+    assert [r.trained for r in results] == [34, 34, 34]  # read with them, not the padding
     assert results[-1].loss < results[0].loss
     assert "not read" in repr(step(lambda: (x, y)))
 

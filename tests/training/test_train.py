@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -52,11 +53,19 @@ def test_training_writes_the_run_directory(tmp_path):
     lines = read_metrics(run)
     train_lines = [m for m in lines if "loss" in m]
     assert [m["step"] for m in train_lines] == list(range(1, 21))
-    for key in ("lr", "grad_norm", "tokens_per_s", "tokens"):
+    for key in ("lr", "grad_norm", "tokens_per_s", "tokens", "trained_tokens"):
         assert key in train_lines[-1]
+    # Text trains on every target: no padding, so trained tokens are the tokens seen.
+    assert train_lines[-1]["trained_tokens"] == train_lines[-1]["tokens"] == result.tokens
+    assert result.trained_tokens == result.tokens
+    assert "trained_tokens_per_s" not in train_lines[-1]  # it would equal tokens_per_s
     evals = [m for m in lines if "val_loss" in m]
     assert [m["step"] for m in evals] == [10, 20]
-    assert evals[-1]["val_ppl"] == pytest.approx(math.exp(evals[-1]["val_loss"]), rel=1e-3)
+    # val_ce and val_ppl on every evaluation; for the cross-entropy val_loss is the same.
+    assert all(m["val_ce"] == m["val_loss"] for m in evals)
+    assert evals[-1]["val_ppl"] == pytest.approx(math.exp(evals[-1]["val_ce"]), rel=1e-3)
+    assert result.val_ce == pytest.approx(evals[-1]["val_ce"], abs=1e-6)
+    assert result.objective == "cross_entropy"
     assert train_lines[-1]["loss"] < train_lines[0]["loss"]  # it learns
     resolved = json.loads((run / "resolved.json").read_text())
     assert len(resolved["model"]["layers"]) == 2
@@ -202,6 +211,11 @@ def test_resume_after_a_kill_reproduces_the_uninterrupted_losses(tmp_path):
     assert losses(run) == losses(full)
     assert val_losses(run) == val_losses(full)
     assert len(losses(full)) == 120
+    assert counts(run) == counts(full)  # tokens and trained tokens carried over exactly
+
+
+def counts(run: Path) -> list[tuple[int, int, int]]:
+    return [(m["step"], m["tokens"], m["trained_tokens"]) for m in read_metrics(run) if "loss" in m]
 
 
 def test_cli_eval_and_generate(tmp_path):
@@ -217,6 +231,19 @@ def test_cli_eval_and_generate(tmp_path):
     proc = llmkit("train", str(spec), "--out", str(run), "--no-progress")
     assert proc.returncode == 0, proc.stderr
     assert "sample" in proc.stdout and "done: 30 steps" in proc.stdout
+    # The done line leads with the validation cross-entropy; no objective beside it (the
+    # cross-entropy is the objective), and sweeps still read its stop reason.
+    from llmkit.experiments.trial import stop_reason
+
+    (done,) = [line for line in proc.stdout.splitlines() if line.startswith("done: ")]
+    val = [m for m in read_metrics(run) if "val_ce" in m][-1]
+    found = re.search(r"\(max_steps\); val loss: ce ([\d.]+) \(ppl ([\d.]+)\); run: ", done)
+    assert found, done
+    assert float(found[1]) == pytest.approx(val["val_ce"], abs=1e-4)
+    assert float(found[2]) == pytest.approx(val["val_ppl"], abs=0.01)
+    assert "objective" not in done and "trained" not in done
+    assert re.search(r"^step 30: val ce [\d.]+ \(ppl [\d.]+\) \(best\)$", proc.stdout, re.M)
+    assert stop_reason(proc.stdout.splitlines()) == "max_steps"
     proc = llmkit("eval", str(run), "--json")
     assert proc.returncode == 0, proc.stderr
     assert "perplexity" in proc.stderr and "bits/byte" in proc.stderr

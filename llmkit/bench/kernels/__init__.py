@@ -15,10 +15,11 @@ trial call.
 
 What each record holds (:func:`bench_kernels` returns a list of dicts):
 
-- ``median_s`` / ``min_s``: median and fastest per-call time over ``repeats`` repeats, each
-  of ``number`` back-to-back calls (``number`` calibrated so one repeat lasts ≳ 5 ms), after
-  ``warmup`` calls (the first call compiles Triton kernels). On CUDA the calls are timed with
-  CUDA events; on a CPU with ``time.perf_counter``.
+- ``median_s`` / ``min_s`` / ``max_s``: median, fastest and slowest per-call time over
+  ``repeats`` repeats (``times_s``: each repeat's), each of ``number`` back-to-back calls
+  (``number`` calibrated so one repeat lasts ≳ 5 ms), after ``warmup`` calls (the first call
+  compiles Triton kernels). On CUDA the calls are timed with CUDA events; on a CPU with
+  ``time.perf_counter``. ``spread`` = (max − min) / median, None with one repeat.
 - ``flops`` and ``tflops`` (= flops / median_s / 1e12), useful work only:
 
   - attention: forward ``4·B·H·D·P``, with ``P`` the attended (query, key) pairs:
@@ -52,6 +53,9 @@ What each record holds (:func:`bench_kernels` returns a list of dicts):
 
 - ``speedup`` and ``memory_ratio`` (after :func:`add_ratios`): the baseline component's
   median time (peak memory) divided by this one's on the same case; > 1 is faster (smaller).
+  ``within_noise``: the two medians differ by no more than the two ranges of the repeats
+  (max − min) together, so the speed-up may be noise (tables mark it ``(noise)``); None for
+  the baseline itself or with a single repeat.
 
 Modules: :mod:`~llmkit.bench.kernels.timing` (time, peak memory, devices and dtypes),
 :mod:`~llmkit.bench.kernels.flops` (work formulas), :mod:`~llmkit.bench.kernels.entries` (what
@@ -94,6 +98,7 @@ from llmkit.bench.kernels.flops import (
     norm_bytes,
 )
 from llmkit.bench.kernels.report import (
+    NOISE_NOTE,
     markdown_table,
     meta,
     pivot_markdown,
@@ -113,7 +118,9 @@ from llmkit.bench.kernels.timing import (
     dtype_name,
     parse_dtype,
     peak_memory,
+    summarize,
     time_step,
+    within_noise,
 )
 
 __all__ = [
@@ -127,6 +134,7 @@ __all__ = [
     "FFN_FLOPS",
     "HEAD_DIMS",
     "MODES",
+    "NOISE_NOTE",
     "NORM_ADAPTER",
     "NORM_BYTES",
     "QUICK",
@@ -165,7 +173,9 @@ __all__ = [
     "prepare_attention",
     "prepare_tokens",
     "rich_table",
+    "summarize",
     "table_rows",
     "time_step",
+    "within_noise",
     "write_json",
 ]

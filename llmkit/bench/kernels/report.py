@@ -61,8 +61,8 @@ def _case(rec: dict[str, Any], columns: tuple[Column, ...]) -> tuple[Any, ...]:
 
 def plot(records: list[dict[str, Any]], path: str | Path, title: str | None = None) -> Path:
     """Median time against the adapter's x axis (sequence length, tokens), log-log, one line
-    per component, one panel per mode (and per value of the other case columns, e.g. head
-    dim)."""
+    per component with bars from the fastest to the slowest repeat, one panel per mode (and
+    per value of the other case columns, e.g. head dim)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.ticker import NullLocator
@@ -83,14 +83,19 @@ def plot(records: list[dict[str, Any]], path: str | Path, title: str | None = No
             ax = axes[i][j]
             for label in labels:
                 pts = sorted(
-                    (r[axis.field], r["median_s"] * 1e3)
+                    (r[axis.field], r["median_s"], r.get("min_s"), r.get("max_s"))
                     for r in ok
                     if r["component"] == label
                     and r["mode"] == mode
                     and _case(r, panel_cols) == panel
                 )
                 if pts:
-                    ax.plot(*zip(*pts), marker="o", label=label)
+                    xs = [p[0] for p in pts]
+                    ys = [p[1] * 1e3 for p in pts]
+                    # the bars span the fastest to the slowest repeat
+                    lo = [(p[1] - (p[2] if p[2] is not None else p[1])) * 1e3 for p in pts]
+                    hi = [((p[3] if p[3] is not None else p[1]) - p[1]) * 1e3 for p in pts]
+                    ax.errorbar(xs, ys, yerr=[lo, hi], marker="o", capsize=2, label=label)
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
             ticks = sorted({r[axis.field] for r in records if r["mode"] == mode})
@@ -129,9 +134,28 @@ def format_time(s: float) -> str:
     return f"{s * 1e3:.3f} ms" if s < 0.1 else f"{s * 1e3:,.1f} ms"
 
 
-def _ratio(x: float | None) -> str:
-    """A baseline/this ratio: > 1 means faster (smaller)."""
-    return "-" if x is None else f"{x:.2f}×"
+#: What a speed ratio inside the noise is marked with (:func:`_ratio`), and the note saying so.
+NOISE_MARK = " (noise)"
+NOISE_NOTE = (
+    "(noise): within the noise: the two medians differ by no more than the two ranges "
+    "of the repeats (slowest − fastest) together"
+)
+
+
+def _ratio(x: float | None, noise: bool | None = None) -> str:
+    """A baseline/this ratio: > 1 means faster (smaller); ``noise``: marked as within it."""
+    if x is None:
+        return "-"
+    return f"{x:.2f}×" + (NOISE_MARK if noise else "")
+
+
+def _spread(rec: dict[str, Any]) -> str:
+    spread = rec.get("spread")
+    return "-" if spread is None else f"{spread * 100:.0f}%"
+
+
+def _noise_notes(records: list[dict[str, Any]]) -> list[str]:
+    return [NOISE_NOTE] if any(r.get("within_noise") for r in records) else []
 
 
 def _sortable(value: Any) -> tuple[bool, Any]:
@@ -142,7 +166,8 @@ def table_rows(
     records: list[dict[str, Any]], baseline: str | None = None
 ) -> tuple[list[str], list[list[str]], list[str]]:
     """(headers, rows, notes) of the comparison table: ok records sorted by case, then
-    one note per (component, reason) skipped or failed."""
+    one note per (component, reason) skipped or failed, and what marks a speed ratio inside
+    the noise (``within_noise``, :func:`~llmkit.bench.kernels.add_ratios`) when one is."""
     adapter = _adapter(records) or ATTENTION_ADAPTER
     on_gpu = any(r["device"] == "cuda" for r in records)
     has_base = any(r.get("speedup") is not None for r in records)
@@ -150,7 +175,7 @@ def table_rows(
     rate, scale = ("GB/s", 1.0) if adapter.rate == "gbps" else ("GFLOP/s", 1e3)
     if on_gpu and adapter.rate != "gbps":
         rate, scale = "TFLOP/s", 1.0
-    headers += ["median", rate, "peak mem"]
+    headers += ["median", "spread", rate, "peak mem"]
     if has_base:
         headers += [f"speed vs {baseline}", f"mem vs {baseline}"]
     ok = [r for r in records if r["status"] == "ok"]
@@ -167,10 +192,11 @@ def table_rows(
     for r in ok:
         row = [r["component"], r["mode"]] + [str(v) for v in _case(r, adapter.columns)]
         speed = r[adapter.rate]
-        row += [format_time(r["median_s"]), "-" if speed is None else f"{speed * scale:,.1f}"]
+        row += [format_time(r["median_s"]), _spread(r)]
+        row.append("-" if speed is None else f"{speed * scale:,.1f}")
         row.append(_mem(r.get("peak_memory_bytes")))
         if has_base:
-            row += [_ratio(r.get("speedup")), _ratio(r.get("memory_ratio"))]
+            row += [_ratio(r.get("speedup"), r.get("within_noise")), _ratio(r.get("memory_ratio"))]
         rows.append(row)
     notes = []
     for r in records:
@@ -178,7 +204,7 @@ def table_rows(
             note = f"{r['component']}: {r['status']} ({r['reason']})"
             if note not in notes:
                 notes.append(note)
-    return headers, rows, notes
+    return headers, rows, notes + _noise_notes(ok)
 
 
 def rich_table(records: list[dict[str, Any]], baseline: str | None = None) -> Any:
@@ -210,7 +236,7 @@ def pivot_markdown(
 ) -> str:
     """One row per case (mode and case columns), one column per component with ``metric``
     (default: the adapter's rate, TFLOP/s or GB/s), then each component's speed against
-    ``baseline`` (baseline time / its time, > 1 = faster)."""
+    ``baseline`` (baseline time / its time, > 1 = faster; marked when within the noise)."""
     adapter = _adapter(records)
     if adapter is None:
         return "(no records)\n"
@@ -234,7 +260,7 @@ def pivot_markdown(
                 row.append(f"{value:.3g}" if value < 100 else f"{value:,.0f}")
         for lab in others:
             r = got.get((*case, lab))
-            row.append(_ratio(r.get("speedup")) if r is not None else "-")
+            row.append(_ratio(r.get("speedup"), r.get("within_noise")) if r is not None else "-")
         lines.append("| " + " | ".join(row) + " |")
     _, _, notes = table_rows(records, baseline)
     if notes:

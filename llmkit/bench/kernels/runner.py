@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import statistics
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -23,7 +22,9 @@ from llmkit.bench.kernels.timing import (
     dtype_name,
     free,
     peak_memory,
+    summarize,
     time_step,
+    within_noise,
 )
 from llmkit.errors import first_line
 
@@ -115,7 +116,8 @@ def _bench_one(
         "mode": case.mode,
         **fields,
     }
-    rec.update(status="ok", reason=None, median_s=None, min_s=None, repeats=0, number=0)
+    rec.update(status="ok", reason=None, median_s=None, min_s=None, max_s=None, spread=None)
+    rec.update(times_s=[], repeats=0, number=0)
     rec.update(flops=None, tflops=None, gbps=None, peak_memory_bytes=None)
     rec["memory_method"] = CUDA_MEMORY if case.device == "cuda" else CPU_MEMORY
     if deadline is not None and time.monotonic() > deadline:
@@ -134,8 +136,8 @@ def _bench_one(
         samples, number = time_step(
             prepared.step, case.device, warmup=warmup, repeats=repeats, min_repeat_s=min_repeat_s
         )
-        median = statistics.median(samples)
-        rec.update(median_s=median, min_s=min(samples), repeats=len(samples), number=number)
+        rec.update(summarize(samples), repeats=len(samples), number=number)
+        median = rec["median_s"]
         rec["flops"] = prepared.flops
         if prepared.flops:
             rec["tflops"] = prepared.flops / median / 1e12
@@ -162,7 +164,11 @@ def _case_key(rec: dict[str, Any], columns: dict[str, tuple[str, ...]]) -> tuple
 
 def add_ratios(records: list[dict[str, Any]], baseline: str | None) -> list[dict[str, Any]]:
     """Set ``speedup`` (baseline median / median) and ``memory_ratio`` (baseline peak /
-    peak) on every ok record whose case the ``baseline`` entry also ran; None elsewhere."""
+    peak) on every ok record whose case the ``baseline`` entry also ran; None elsewhere.
+    ``within_noise`` says whether the speed-up is indistinguishable from noise
+    (:func:`~llmkit.bench.kernels.timing.within_noise`: the two medians differ by no more
+    than the two ranges of the repeats, slowest − fastest, together); None for the baseline
+    itself, without a baseline, or with a single repeat."""
     kinds = {r["kind"] for r in records}
     columns = {k: tuple(c.field for c in adapter_for(k).columns) for k in kinds}
     base = {
@@ -174,6 +180,7 @@ def add_ratios(records: list[dict[str, Any]], baseline: str | None) -> list[dict
         b = base.get(_case_key(r, columns)) if r["status"] == "ok" else None
         r["baseline"] = baseline if b is not None else None
         r["speedup"] = b["median_s"] / r["median_s"] if b is not None else None
+        r["within_noise"] = within_noise(r, b) if b is not None and b is not r else None
         mem, bmem = r.get("peak_memory_bytes"), (b or {}).get("peak_memory_bytes")
         r["memory_ratio"] = bmem / mem if b is not None and mem and bmem is not None else None
     return records

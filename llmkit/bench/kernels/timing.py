@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -102,6 +103,36 @@ def time_step(
                 step()
             samples.append((time.perf_counter() - t0) / number)
     return samples, number
+
+
+def summarize(samples: list[float]) -> dict[str, Any]:
+    """A record's timing fields from the per-call seconds of its repeats: ``median_s``,
+    ``min_s``, ``max_s``, ``spread`` ((max − min) / median: how far apart the repeats lie,
+    None with one repeat) and the repeats themselves, ``times_s``."""
+    median = statistics.median(samples)
+    lo, hi = min(samples), max(samples)
+    spread = (hi - lo) / median if len(samples) > 1 and median > 0 else None
+    return {
+        "median_s": median,
+        "min_s": lo,
+        "max_s": hi,
+        "spread": spread,
+        "times_s": list(samples),
+    }
+
+
+def within_noise(a: dict[str, Any], b: dict[str, Any]) -> bool | None:
+    """Whether two records' times are indistinguishable, so the ratio of their medians may
+    be noise: the medians differ by no more than the two ranges of the repeats (slowest −
+    fastest) together, which holds whenever the [min, max] ranges overlap. None when either
+    has fewer than two repeats (no spread to judge by) or lacks the figures."""
+    if min(a.get("repeats") or 0, b.get("repeats") or 0) < 2:
+        return None
+    keys = ("median_s", "min_s", "max_s")
+    if any(not isinstance(r.get(k), int | float) for r in (a, b) for k in keys):
+        return None
+    noise = (a["max_s"] - a["min_s"]) + (b["max_s"] - b["min_s"])
+    return bool(abs(a["median_s"] - b["median_s"]) <= noise)
 
 
 @contextlib.contextmanager
