@@ -5,13 +5,31 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import time
 from collections.abc import Callable
 from typing import Any
 
 
+def _hms(seconds: float) -> str:
+    """``1:02:03`` for an hour and a bit, ``2:03`` under an hour."""
+    whole = max(0, round(seconds))
+    hours, rest = divmod(whole, 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
+
+
+def _per_step(seconds: float) -> str:
+    """``1.23 s/step`` from a second up, ``45.6 ms/step`` below."""
+    if seconds >= 1:
+        return f"{seconds:.2f} s/step"
+    return f"{1000 * seconds:.3g} ms/step"
+
+
 class ProgressDisplay:
     """A rich progress bar on a terminal (or when ``enabled``), else a log line per record.
-    While the bar runs, ``log`` (when it is ``print``) goes through the bar's console."""
+    While the bar runs, ``log`` (when it is ``print``) goes through the bar's console.
+    Off the bar, each line carries the time per step since the previous line and an ETA
+    from the mean step time since this job started (a resumed run counts from its resume)."""
 
     def __init__(
         self,
@@ -27,6 +45,8 @@ class ProgressDisplay:
         #: named (``objective distill 3.3200``), so it is not read as a cross-entropy.
         self.loss_label = "loss" if objective == "cross_entropy" else f"objective {objective}"
         self.log = log
+        self._start_step = self._last_step = completed
+        self._start_time = self._last_time = time.monotonic()
         self.bar = self._start(completed, enabled)
         if self.bar is not None and log is print:
             self.log = self.bar.console.print
@@ -72,9 +92,19 @@ class ProgressDisplay:
         if "mfu" in record:
             info += f" mfu {100 * record['mfu']:.1f}%"
         if self.bar is None:
-            self.log(f"step {record['step']}/{self.total}: {info}")
+            self.log(f"step {record['step']}/{self.total}: {info}{self._timing(record['step'])}")
         else:
             self.bar.update(0, completed=record["step"], info=info)
+
+    def _timing(self, step: int) -> str:
+        """`` · 12.3 ms/step · ETA 1:05`` for a line at ``step``; empty before any step ran."""
+        now = time.monotonic()
+        if step <= self._last_step:
+            return ""
+        recent = (now - self._last_time) / (step - self._last_step)
+        mean = (now - self._start_time) / (step - self._start_step)
+        self._last_step, self._last_time = step, now
+        return f" · {_per_step(recent)} · ETA {_hms(mean * max(0, self.total - step))}"
 
     def close(self) -> None:
         if self.bar is not None:
