@@ -61,7 +61,11 @@ class SearchSpec(BaseModel):
     set: list[str] = Field(default_factory=list, description="overrides of every trial")
     params: dict[str, Distribution] = Field(min_length=1)
     trials: int = Field(20, ge=1, le=100_000, description="completed or pruned trials wanted")
-    metric: Literal["best_val_loss", "val_loss"] = "best_val_loss"
+    metric: Literal["best_val_ce", "val_ce", "best_val_loss", "val_loss"] = Field(
+        "best_val_ce",
+        description="what trials are ranked and pruned by: the best or final validation "
+        "cross-entropy (comparable across objectives) or objective (val_loss)",
+    )
     sampler: Literal["tpe", "random"] = "tpe"
     seed: int | None = 0
     startup_trials: int = Field(
@@ -323,6 +327,7 @@ def _run_search(
     _check_same_plan(study, {"set": search.set, "max_steps": max_steps})
     done_states = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
     threads = threads if threads is not None else trial_runner.threads_per_worker(1)
+    watched = search.metric.removeprefix("best_")  # the record key each evaluation reports
 
     def objective(trial: Any) -> float:
         try:
@@ -349,12 +354,12 @@ def _run_search(
         log(f"trial {trial.number}: started, {last} steps: {shown}")
         reported: list[float] = []
 
-        def on_eval(step: int, val_loss: float) -> bool:
-            trial.report(val_loss, step)
-            reported.append(val_loss)
+        def on_eval(step: int, value: float) -> bool:
+            trial.report(value, step)
+            reported.append(value)
             prune = bool(trial.should_prune())
             verdict = "; pruned: stopping it" if prune else ""
-            log(f"trial {trial.number}: step {step}/{last}: val_loss {val_loss:.4f}{verdict}")
+            log(f"trial {trial.number}: step {step}/{last}: {watched} {value:.4f}{verdict}")
             return prune
 
         job = trial_runner.TrialJob(
@@ -367,7 +372,7 @@ def _run_search(
             cut_steps=max_steps,
             max_time=max_time,
         )
-        ended = trial_runner.run_trial(job, on_eval)
+        ended = trial_runner.run_trial(job, on_eval, key=watched)
         trial.set_user_attr("wall_s", ended.wall_s)
         if ended.error is not None:
             raise LlmkitError(ended.error)
@@ -377,7 +382,7 @@ def _run_search(
         trained = f"{numbers.get('steps')} steps, {ended.wall_s:.1f} s"
         if ended.stopped_at is not None:
             trial.set_user_attr("pruned_at", ended.stopped_at)
-            at = min(reported) if search.metric == "best_val_loss" else reported[-1]
+            at = min(reported) if search.metric.startswith("best_") else reported[-1]
             log(
                 f"trial {trial.number}: pruned at step {ended.stopped_at}, "
                 f"{search.metric} {at:.4f} ({trained})"

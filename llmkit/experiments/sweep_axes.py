@@ -47,6 +47,8 @@ MAX_ID_LENGTH = 120
 RANGE_DIGITS = 12
 #: Which results column each ``metric`` names.
 METRIC_COLUMNS = {
+    "val_ce": "final_val_ce",
+    "best_val_ce": "best_val_ce",
     "val_loss": "final_val_loss",
     "best_val_loss": "best_val_loss",
     "train_loss": "final_train_loss",
@@ -179,10 +181,12 @@ class SweepFile(_Table):
         description="Repeat every configuration once per seed (train.seed); an integer n "
         "means seeds 0..n-1.",
     )
-    metric: Literal["val_loss", "best_val_loss", "train_loss"] = Field(
-        "val_loss",
-        description="What the plots show: the final or best validation loss, or the final "
-        "training loss.",
+    metric: Literal["val_ce", "best_val_ce", "val_loss", "best_val_loss", "train_loss"] = Field(
+        "val_ce",
+        description="What ranks trials and the plots show: the final or best validation "
+        "cross-entropy (comparable across objectives), the final or best validation "
+        "objective (val_loss: the same for the cross-entropy, the mixed loss for "
+        "distillation), or the final training loss.",
     )
     axes: dict[str, Axis] = Field(
         default_factory=dict,

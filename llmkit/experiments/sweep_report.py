@@ -20,6 +20,8 @@ from llmkit.files import replacing, write_text_atomic
 LEAD_COLUMNS = ["trial", "status"]
 TAIL_COLUMNS = [
     "seed",
+    "final_val_ce",
+    "best_val_ce",
     "final_val_loss",
     "best_val_loss",
     "final_train_loss",

@@ -210,13 +210,16 @@ def finite(value: Any) -> bool:
 
 
 def summarize(run_dir: Path) -> dict[str, Any]:
-    """A run's numbers from ``metrics.jsonl`` and its latest checkpoint: final and best val
-    loss, final training loss, steps, tokens and training seconds (the trainer's elapsed
-    time, carried across resumes)."""
+    """A run's numbers from ``metrics.jsonl`` and its latest checkpoint: final and best
+    validation cross-entropy (``val_ce``: what compares across objectives) and objective
+    (``val_loss``; the same number for the cross-entropy), final training loss, steps, tokens
+    and training seconds (the trainer's elapsed time, carried across resumes)."""
     records = read_records(run_dir / "metrics.jsonl")
     train = [r for r in records if finite(r.get("loss"))]
     evals = [r for r in records if "val_loss" in r]
     out: dict[str, Any] = {
+        "final_val_ce": None,
+        "best_val_ce": None,
         "final_val_loss": None,
         "best_val_loss": None,
         "final_train_loss": None,
@@ -236,6 +239,11 @@ def summarize(run_dir: Path) -> dict[str, Any]:
         vals = [r["val_loss"] for r in evals if finite(r.get("val_loss"))]
         out["final_val_loss"] = evals[-1].get("val_loss")
         out["best_val_loss"] = evals[-1].get("best_val_loss", min(vals) if vals else None)
+        # A record without val_ce is from a cross-entropy run: its val_loss is the CE.
+        ces = [r.get("val_ce", r.get("val_loss")) for r in evals]
+        out["final_val_ce"] = ces[-1]
+        known = [v for v in ces if finite(v)]
+        out["best_val_ce"] = min(known) if known else None
         step = evals[-1].get("step")
         if isinstance(step, int) and (out["steps"] is None or step > out["steps"]):
             out["steps"] = step
@@ -250,8 +258,8 @@ class _Evaluations:
     only whole lines, only steps past the last one seen (the trainer rewrites the file when
     it resumes, dropping what followed its checkpoint)."""
 
-    def __init__(self, path: Path) -> None:
-        self.path = path
+    def __init__(self, path: Path, key: str = "val_loss") -> None:
+        self.path, self.key = path, key
         self.offset, self.inode = 0, None
         self.seen = max((r["step"] for r in self._all() if _is_eval(r)), default=0)
         self._sync()
@@ -291,7 +299,7 @@ class _Evaluations:
                 continue
             if _is_eval(record) and record["step"] > self.seen:
                 self.seen = record["step"]
-                out.append((record["step"], float(record["val_loss"])))
+                out.append((record["step"], float(record.get(self.key, record["val_loss"]))))
         return out
 
 
@@ -323,8 +331,8 @@ class TrialProcess:
     """One trial's ``llmkit train`` process: :meth:`start`, :meth:`poll`, :meth:`evaluations`
     as they appear, :meth:`stop` (a signal), :meth:`outcome` once it ended."""
 
-    def __init__(self, job: TrialJob) -> None:
-        self.job = job
+    def __init__(self, job: TrialJob, key: str = "val_loss") -> None:
+        self.job, self.key = job, key
         self.proc: subprocess.Popen[bytes] | None = None
         self.log_from = 0
         self.stopped_at: int | None = None
@@ -336,7 +344,7 @@ class TrialProcess:
         job = self.job
         cmd = train_command(job)
         job.log.parent.mkdir(parents=True, exist_ok=True)
-        self._evals = _Evaluations(job.run_dir / "metrics.jsonl")
+        self._evals = _Evaluations(job.run_dir / "metrics.jsonl", self.key)
         with open(job.log, "ab") as fh:
             self.log_from = fh.tell()
             stamp = time.strftime("%Y-%m-%d %H:%M:%S")
@@ -363,8 +371,9 @@ class TrialProcess:
         return rc
 
     def evaluations(self) -> list[tuple[int, float]]:
-        """The ``(step, val_loss)`` evaluations written since the last call, but the one at
-        ``max_steps`` (the run's last)."""
+        """The ``(step, value)`` evaluations written since the last call, but the one at
+        ``max_steps`` (the run's last); the value: the record's ``key`` (``val_loss``, the
+        objective, or ``val_ce``; ``val_loss`` where a record lacks it)."""
         assert self._evals is not None, "start() first"
         last = self.job.max_steps
         return [(s, v) for s, v in self._evals.new() if last is None or s < last]
@@ -420,13 +429,15 @@ def run_trial(
     job: TrialJob,
     on_eval: Callable[[int, float], bool] | None = None,
     *,
+    key: str = "val_loss",
     poll_s: float = POLL_S,
 ) -> TrialOutcome:
-    """Train one trial to its end: ``on_eval(step, val_loss)`` is called for each of its
+    """Train one trial to its end: ``on_eval(step, value)`` (the record's ``key``: the
+    objective ``val_loss`` or the cross-entropy ``val_ce``) is called for each of its
     evaluations but the last, as the trainer writes them, and a True answer stops the trial
     (SIGTERM: it trains to its next step, saves a checkpoint and ends; no later evaluation
     is offered). If this process is interrupted, the trial is stopped too."""
-    trial = TrialProcess(job)
+    trial = TrialProcess(job, key)
     trial.start()
     try:
         while True:

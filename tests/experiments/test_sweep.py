@@ -38,6 +38,8 @@ COLUMNS = [
     "optimizer.lr",
     "data.source.paths",
     "seed",
+    "final_val_ce",
+    "best_val_ce",
     "final_val_loss",
     "best_val_loss",
     "final_train_loss",
@@ -330,6 +332,7 @@ def test_trials_run_in_parallel_and_a_failure_is_recorded(tmp_path, monkeypatch,
         assert (run / "model.safetensors").is_file()
         assert row["steps"] == 6 and row["tokens"] == 6 * 4 * 32  # batch 4 x block 32
         assert row["final_val_loss"] == metrics(run)[-1]["val_loss"]
+        assert row["final_val_ce"] == metrics(run)[-1]["val_ce"]
         assert row["best_val_loss"] <= row["final_val_loss"]
         assert row["params"] > row["non_embedding_params"] > 0
         assert row["flops"] > 6 * row["non_embedding_params"] * row["tokens"]
@@ -508,7 +511,14 @@ def test_a_killed_sweep_resumes_its_interrupted_trial_exactly(tmp_path):
     assert resumed["status"] == reference["status"] == "done"
     steps = [m["step"] for m in metrics(first) if "loss" in m]
     assert steps == list(range(1, 41))  # continued: every step once, none trained twice
-    for key in ("final_val_loss", "best_val_loss", "final_train_loss", "steps", "tokens"):
+    for key in (
+        "final_val_ce",
+        "final_val_loss",
+        "best_val_loss",
+        "final_train_loss",
+        "steps",
+        "tokens",
+    ):
         assert resumed[key] == reference[key], key
     ref_run = out / reference["run_dir"]
     assert [m["loss"] for m in metrics(first) if "loss" in m] == [
@@ -555,7 +565,14 @@ def test_branch_budgets_train_a_short_budget_as_a_cooldown_branch_of_the_long_on
     assert "step-000004 at step 4" in log and "--set train.max_steps=6" in log
     branch = out / short["run_dir"]
     assert json.loads((branch / "branch.json").read_text())["step"] == 4
-    for key in ("final_val_loss", "best_val_loss", "final_train_loss", "steps", "tokens"):
+    for key in (
+        "final_val_ce",
+        "final_val_loss",
+        "best_val_loss",
+        "final_train_loss",
+        "steps",
+        "tokens",
+    ):
         assert short[key] == alone[key], key
     assert short["steps"] == 6 and long["steps"] == 12
     assert [r["branched_from"] for r in result.rows] == [f"{long['trial']}@4", None, None]

@@ -207,7 +207,7 @@ def test_search_prints_each_trial_and_no_optuna_warnings(tmp_path, monkeypatch, 
     ]
     printed = capsys.readouterr().out
     assert "trial 0: started, 6 steps: optimizer.lr=" in printed
-    assert "trial 0: step 2/6: val_loss " in printed
+    assert "trial 0: step 2/6: val_ce " in printed
     assert [(j.cut_steps, j.max_time, j.max_steps) for j in jobs] == [(6, 60, 6)] * 6
     assert all(j.overrides[0] == "train.grad_clip=0.5" for j in jobs)
     rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
@@ -216,11 +216,11 @@ def test_search_prints_each_trial_and_no_optuna_warnings(tmp_path, monkeypatch, 
         n = row["trial"]
         if row["state"] == "COMPLETE":
             assert row["pruned_at"] is None and row["steps"] == 6
-            assert f"trial {n}: complete, best_val_loss {row['value']:.4f} (6 steps, " in printed
+            assert f"trial {n}: complete, best_val_ce {row['value']:.4f} (6 steps, " in printed
         else:
             assert row["state"] == "PRUNED" and row["pruned_at"] < row["steps"] < 6
-            assert f"trial {n}: step {row['pruned_at']}/6: val_loss " in printed
-            assert f"trial {n}: pruned at step {row['pruned_at']}, best_val_loss " in printed
+            assert f"trial {n}: step {row['pruned_at']}/6: val_ce " in printed
+            assert f"trial {n}: pruned at step {row['pruned_at']}, best_val_ce " in printed
     assert any(r["state"] == "PRUNED" for r in rows)
 
     # the study records its overrides: a process giving others is refused, in one line

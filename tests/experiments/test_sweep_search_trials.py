@@ -20,14 +20,16 @@ from tests.helpers import write_train_spec
 #: A stand-in for ``llmkit train`` (argv: the run directory, then its --set overrides): a
 #: step every 50 ms, an evaluation every 2 steps and at the end, on SIGTERM one more step
 #: and an evaluation, then its ``done:`` line as the CLI prints it. The loss grows with
-#: optimizer.lr; ``fake.end_at=N`` ends it at step N on its own (as early stopping would),
-#: deaf to SIGTERM.
+#: optimizer.lr; ``description=ce_apart`` writes a ``val_ce`` (10 - val_loss) that ranks
+#: trials against their objective, as a distillation's CE may; ``fake.end_at=N`` ends it at
+#: step N on its own (as early stopping would), deaf to SIGTERM.
 FAKE_TRAIN = r"""
 import json, pathlib, signal, sys, time
 run = pathlib.Path(sys.argv[1])
 sets = dict(a.split("=", 1) for a in sys.argv[2:])
 steps = int(sets.get("train.max_steps", 8))
 end_at = int(sets.get("fake.end_at", 0))
+ce_apart = sets.get("description") == "ce_apart"
 loss = float(sets.get("optimizer.lr", "0.01")) * 100
 stop = []
 if end_at:
@@ -45,7 +47,10 @@ while step < steps:
         record = {"step": step, "loss": loss, "tokens": 10 * step, "elapsed": 0.05 * step}
         fh.write(json.dumps(record) + "\n")
         if step % 2 == 0 or last:
-            fh.write(json.dumps({"step": step, "val_loss": loss + 1 / step}) + "\n")
+            evaluation = {"step": step, "val_loss": loss + 1 / step}
+            if ce_apart:
+                evaluation["val_ce"] = 10 - evaluation["val_loss"]
+            fh.write(json.dumps(evaluation) + "\n")
     if step == end_at:
         time.sleep(0.2)  # the watcher sees this evaluation while the run is still alive
         reason = "early_stopping"
@@ -181,3 +186,34 @@ def test_sweeps_and_searches_train_their_trials_through_one_runner(tmp_path, mon
         else:
             assert row["value"] == pytest.approx(row["optimizer.lr"] * 100 + 1 / 8)
             assert "(max_steps)" in log and row["steps"] == 8
+
+
+def test_trials_are_ranked_by_the_cross_entropy_not_the_objective(tmp_path, monkeypatch):
+    """Sweeps and searches rank by val_ce by default (comparable across objectives); the
+    objective (val_loss) only when asked. Here they disagree, as under distillation."""
+    fake_trainer(monkeypatch)
+    write_train_spec(tmp_path, "the quick brown fox. " * 50, max_steps=8, eval_interval=2)
+    sweep = tmp_path / "sweep.toml"
+    sweep.write_text(
+        'base = "spec.yaml"\nset = ["description=ce_apart"]\n'
+        '[axes]\n"optimizer.lr" = [0.01, 0.02]\n'
+    )
+    result = run_sweep(sweep, out=tmp_path / "sweep", log=lambda _: None, progress=False)
+    row = result.rows[0]
+    assert row["final_val_ce"] == pytest.approx(10 - (1 + 1 / 8))
+    assert row["best_val_ce"] == pytest.approx(10 - (1 + 1 / 2))  # the CE rises as val_loss falls
+    assert row["final_val_loss"] == pytest.approx(1 + 1 / 8)
+    assert result.best()["optimizer.lr"] == 0.02  # the lower CE, the higher objective
+    sweep.write_text(sweep.read_text().replace("[axes]", 'metric = "val_loss"\n[axes]'))
+    again = run_sweep(sweep, out=tmp_path / "sweep-objective", log=lambda _: None, progress=False)
+    assert again.best()["optimizer.lr"] == 0.01
+
+    search = tmp_path / "search.toml"
+    search.write_text(
+        'name = "ce"\nbase = "spec.yaml"\nset = ["description=ce_apart"]\ntrials = 2\n'
+        'sampler = "random"\npruner = "none"\n[params]\n"optimizer.lr" = { choice = [0.01] }\n'
+    )
+    printed: list[str] = []
+    rows = run_search(search, out=tmp_path / "search", log=printed.append).rows
+    assert [r["value"] for r in rows] == [pytest.approx(10 - (1 + 1 / 2))] * 2  # best_val_ce
+    assert any("step 2/8: val_ce " in line for line in printed)

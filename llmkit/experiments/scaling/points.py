@@ -85,7 +85,7 @@ def make_point(
 COLUMNS = {
     "N": ("n", "non_embedding_params"),  # never a sweep's "params": those count embeddings
     "D": ("d", "tokens"),
-    "loss": ("loss", "final_val_loss", "val_loss"),
+    "loss": ("loss", "final_val_ce", "final_val_loss", "val_loss"),
     "C": ("c", "flops"),
     "source": ("source", "label", "trial", "name"),
     "budget": ("budget",),
