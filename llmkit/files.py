@@ -96,3 +96,19 @@ def read_utf8(path: Path) -> str:
         raise LlmkitError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from exc
     except OSError as exc:
         raise LlmkitError(f"{path}: cannot read: {exc.strerror or exc}") from exc
+
+
+def parse_json(text: str, where: str) -> Any:
+    """``text`` parsed as JSON; a one-line error naming ``where`` (a file, or a file and
+    line) if it is not JSON or nests too deeply to parse (a RecursionError otherwise)."""
+    try:
+        return json.loads(text)
+    except RecursionError as exc:
+        raise LlmkitError(f"{where}: invalid JSON: nested too deeply") from exc
+    except ValueError as exc:
+        raise LlmkitError(f"{where}: invalid JSON: {exc}") from exc
+
+
+def read_json(path: Path) -> Any:
+    """A JSON file's value: :func:`read_utf8`, then :func:`parse_json`."""
+    return parse_json(read_utf8(path), str(path))

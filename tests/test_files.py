@@ -97,3 +97,22 @@ def test_a_full_disk_is_one_error_naming_the_file_and_keeps_the_old_one(tmp_path
 def test_writing_passes_other_errors_through(tmp_path):
     with pytest.raises(PermissionError), writing(tmp_path / "x"):
         raise PermissionError("read-only")
+
+
+def test_json_that_nests_too_deeply_or_is_not_json_is_a_one_line_error(tmp_path):
+    from llmkit.errors import LlmkitError
+    from llmkit.files import read_json
+
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 200_000 + "]" * 200_000, encoding="utf-8")
+    with pytest.raises(LlmkitError, match=r"deep\.json: invalid JSON: nested too deeply$"):
+        read_json(deep)
+    broken = tmp_path / "broken.json"
+    broken.write_bytes(b'{"a": \xff}')
+    with pytest.raises(LlmkitError, match=r"broken\.json: not UTF-8 text"):
+        read_json(broken)
+    broken.write_text('{"a": }', encoding="utf-8")
+    with pytest.raises(LlmkitError, match=r"broken\.json: invalid JSON: Expecting value"):
+        read_json(broken)
+    (tmp_path / "ok.json").write_text('{"a": [1]}', encoding="utf-8")
+    assert read_json(tmp_path / "ok.json") == {"a": [1]}
