@@ -293,6 +293,27 @@ def test_a_broken_plugin_breaks_no_command_and_is_named(
 
 
 @pytest.mark.parametrize(
+    "argv",
+    [
+        ["show", "attention", "sdpa"],
+        ["info", str(SPECS / "tiny.toml")],
+        ["eval", "no-such-run"],
+        ["generate", "no-such-run", "--prompt", "x"],
+        ["train", "no-such-spec.toml"],
+        ["schema"],
+    ],
+    ids=lambda argv: argv[0],
+)
+def test_every_command_names_a_broken_plugin_once(broken_fixture_site, plugins_on, capsys, argv):
+    """Whether the command succeeds or fails, one warning line per failed plugin, first."""
+    plugins_on("broken_fixture")
+    _, _, err = cli(capsys, *argv)
+    warning = f"plugin 'broken_fixture' (llmkit-broken-fixture) failed: {BROKEN}"
+    assert err.count(warning) == 1, err
+    assert err.startswith("warning: " + warning)
+
+
+@pytest.mark.parametrize(
     "argv", [["list"], ["validate", str(SPECS / "tiny.toml")], ["plugins"]], ids=lambda a: a[0]
 )
 def test_strict_mode_makes_a_broken_plugin_an_error(broken_fixture_site, argv):

@@ -14,7 +14,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from llmkit.cli.commands import Command, CommandTable, load_commands
-from llmkit.cli.common import EXIT_USER_ERROR
+from llmkit.cli.common import EXIT_USER_ERROR, reset_warnings, warn_failures
 from llmkit.errors import LlmkitError
 
 
@@ -89,9 +89,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 0
     _log_to_stderr()
+    reset_warnings()
     try:
         if problem is not None:
             raise problem
+        if cmd.name != "plugins":  # every command names the plugins that failed (once)
+            warn_failures(reg)
         if cmd.run is None:  # a group named without a subcommand
             args._parser.print_help()
             code = 0

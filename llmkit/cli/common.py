@@ -78,11 +78,23 @@ def registry() -> Any:
     return get_registry()
 
 
+#: The plugins this command has warned about (``main()`` clears it): one line each, once.
+_warned: set[str] = set()
+
+
+def reset_warnings() -> None:
+    """Start a command: no plugin warned about yet."""
+    _warned.clear()
+
+
 def warn_failures(reg: Any) -> None:
-    """One warning line on stderr per plugin that failed."""
+    """One warning line on stderr per plugin that failed (once per command)."""
     from rich.markup import escape
 
     for info in reg.failures():
+        if info.name in _warned:
+            continue
+        _warned.add(info.name)
         console(stderr=True).print(
             f"[yellow]warning:[/] plugin {info.name!r} ({info.distribution}) failed: "
             f"{escape(info.error)}",
