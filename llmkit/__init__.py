@@ -3,16 +3,17 @@
 The public API is what ``__all__`` lists, imported as ``from llmkit import name``:
 
 - plugin hooks: ``hookimpl``; ``__version__``;
-- contracts: ``ComponentOptions``, ``NoOptions``, ``BuildContext``, ``SideOutputs``,
-  ``DistanceBias``, ``AttentionKernel``, ``PositionalScheme``, ``ffn_hidden``,
-  ``POSITION_SITES``, and the block seams ``Block``, ``BlockParts``, ``AttentionInputs``,
-  ``QKTransform``, adapters ``AdapterOptions`` and ``WeightAdapter``, trackers
+- options (torch-free, :mod:`llmkit.options`): ``ComponentOptions``, ``NoOptions``,
+  ``AdapterOptions``, ``ffn_hidden``;
+- contracts: ``BuildContext``, ``SideOutputs``, ``DistanceBias``, ``AttentionKernel``,
+  ``PositionalScheme``, ``POSITION_SITES``, and the block seams ``Block``, ``BlockParts``,
+  ``AttentionInputs``, ``QKTransform``, adapters' ``WeightAdapter``, trackers
   ``LoggerContext`` and ``MetricsLogger`` (:mod:`llmkit.contracts`);
 - attention ops: ``reference_attention`` (the one reference every kernel matches),
   ``sdpa_attention``, ``check_shapes``, ``attention_mask`` (:mod:`llmkit.ops`);
 - optimizers and schedules: ``OptimizerOptions``, ``ScheduleOptions``, ``WarmupOptions``,
-  ``Beta``, ``param_groups_for``, ``set_initial_lr``, ``set_lr_factor``, ``check_steps``,
-  ``linear_warmup``, ``decay_curve`` (:mod:`llmkit.optim`);
+  ``Beta``, ``check_steps``, ``linear_warmup``, ``decay_curve`` (:mod:`llmkit.options`),
+  ``param_groups_for``, ``set_initial_lr``, ``set_lr_factor`` (:mod:`llmkit.optim`);
 - errors: ``LlmkitError``, ``SpecError``, ``RegistryError``, ``PluginError``;
 - the registry: ``Registry``, ``get_registry``, ``reset_registry``, ``Kind``, ``Component``;
 - specs and models: ``load_spec``, ``load_spec_dict``, ``resolve``, ``ResolvedSpec``,
@@ -41,38 +42,36 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and IDEs
     from llmkit.cli import main as cli_main
     from llmkit.contracts import (
         POSITION_SITES,
-        AdapterOptions,
         AttentionInputs,
         AttentionKernel,
         Block,
         BlockParts,
         BuildContext,
-        ComponentOptions,
         DistanceBias,
         LoggerContext,
         MetricsLogger,
-        NoOptions,
         PositionalScheme,
         QKTransform,
         SideOutputs,
         WeightAdapter,
-        ffn_hidden,
     )
     from llmkit.errors import LlmkitError, PluginError, RegistryError, SpecError
     from llmkit.inference import Generator, Sampling
     from llmkit.model import ModelOutput, Transformer, build_model
     from llmkit.ops import attention_mask, check_shapes, reference_attention, sdpa_attention
-    from llmkit.optim import (
+    from llmkit.optim import param_groups_for, set_initial_lr, set_lr_factor
+    from llmkit.options import (
+        AdapterOptions,
         Beta,
+        ComponentOptions,
+        NoOptions,
         OptimizerOptions,
         ScheduleOptions,
         WarmupOptions,
         check_steps,
         decay_curve,
+        ffn_hidden,
         linear_warmup,
-        param_groups_for,
-        set_initial_lr,
-        set_lr_factor,
     )
     from llmkit.registry import Component, Kind, Registry, get_registry, reset_registry
     from llmkit.runs import load_run
@@ -90,13 +89,13 @@ _LAZY: dict[str, str] = {
     "QKTransform": "llmkit.contracts",
     "AttentionKernel": "llmkit.contracts",
     "BuildContext": "llmkit.contracts",
-    "ComponentOptions": "llmkit.contracts",
+    "ComponentOptions": "llmkit.options",
     "DistanceBias": "llmkit.contracts",
-    "NoOptions": "llmkit.contracts",
+    "NoOptions": "llmkit.options",
     "PositionalScheme": "llmkit.contracts",
     "SideOutputs": "llmkit.contracts",
-    "ffn_hidden": "llmkit.contracts",
-    "AdapterOptions": "llmkit.contracts",
+    "ffn_hidden": "llmkit.options",
+    "AdapterOptions": "llmkit.options",
     "WeightAdapter": "llmkit.contracts",
     "LoggerContext": "llmkit.contracts",
     "MetricsLogger": "llmkit.contracts",
@@ -104,13 +103,13 @@ _LAZY: dict[str, str] = {
     "check_shapes": "llmkit.ops",
     "reference_attention": "llmkit.ops",
     "sdpa_attention": "llmkit.ops",
-    "Beta": "llmkit.optim",
-    "OptimizerOptions": "llmkit.optim",
-    "ScheduleOptions": "llmkit.optim",
-    "WarmupOptions": "llmkit.optim",
-    "check_steps": "llmkit.optim",
-    "decay_curve": "llmkit.optim",
-    "linear_warmup": "llmkit.optim",
+    "Beta": "llmkit.options",
+    "OptimizerOptions": "llmkit.options",
+    "ScheduleOptions": "llmkit.options",
+    "WarmupOptions": "llmkit.options",
+    "check_steps": "llmkit.options",
+    "decay_curve": "llmkit.options",
+    "linear_warmup": "llmkit.options",
     "param_groups_for": "llmkit.optim",
     "set_initial_lr": "llmkit.optim",
     "set_lr_factor": "llmkit.optim",

@@ -7,14 +7,15 @@ Optimizers are built as ``build(model, options)`` (every param group carries
 ``initial_lr``) and schedules as ``build(options, total_steps=...)`` returning the lr
 factor for a 0-based step (``llmkit.optim.set_lr_factor`` applies it).
 
-This is the bottom layer, with :mod:`llmkit.ops`, :mod:`llmkit.optim`, :mod:`llmkit.errors`
-and :mod:`llmkit.hookspecs`: it imports no other part of llmkit (``tests/test_layering.py``).
-Plugins import these names from ``llmkit``.
+The options bases (:class:`ComponentOptions`, :class:`NoOptions`, :class:`AdapterOptions`)
+are defined in the torch-free :mod:`llmkit.options` and re-exported here.
+
+This is the bottom layer, with :mod:`llmkit.options`, :mod:`llmkit.ops`, :mod:`llmkit.optim`,
+:mod:`llmkit.errors` and :mod:`llmkit.hookspecs`: it imports no other part of llmkit
+(``tests/test_layering.py``). Plugins import these names from ``llmkit``.
 
 The block's open seams: the residual ``block`` kind and the ``qk_transform`` kind (a q/k hook
 inside the attention module, before positions and the kernel).
-
-kind (a q/k hook inside the attention module, before positions and the kernel).
 
 **Blocks.** For every layer the model builds the attention *module* (projections, q/k
 transform, positional hooks, KV cache and the kernel), the feed-forward component and a
@@ -38,7 +39,6 @@ in OLMo 2, Qwen3 and Gemma 3).
 
 from __future__ import annotations
 
-import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -46,10 +46,16 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
 from torch import Tensor, nn
 
 from llmkit.dropout import Dropout
+
+# The options bases live in the torch-free llmkit.options (a spec is checked without torch);
+# re-exported here, where components and plugins have always imported them.
+from llmkit.options import AdapterOptions as AdapterOptions
+from llmkit.options import ComponentOptions as ComponentOptions
+from llmkit.options import NoOptions as NoOptions
+from llmkit.options import ffn_hidden as ffn_hidden
 
 #: What the component of the spec table ``train.loss`` (the training objective's seam, read by
 #: ``llmkit.model.objective``) follows, whichever kind declares that section.
@@ -59,51 +65,6 @@ LOSS_CONTRACT = (
 )
 
 POSITION_SITES = ("embedding", "qk", "score_bias")
-
-
-class ComponentOptions(BaseModel):
-    """Base of every component's options: unknown keys and non-finite floats (inf, nan)
-    are rejected.
-
-    Besides the values, options state facts about the component they build, which the core
-    asks instead of reading option names (a plugin's options inherit the defaults below and
-    override what differs): :meth:`parameter_count` (a spec's size estimate),
-    :meth:`effective` and :attr:`training_only` (what a Hugging Face export compares), and
-    :attr:`needs_base_weights` (``llmkit validate``: adapters need ``train.init_from``).
-    """
-
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
-
-    #: Options that change only how the component trains (dropout, auxiliary-loss
-    #: coefficients), never what the trained weights compute: an export leaves them out.
-    training_only: ClassVar[frozenset[str]] = frozenset()
-    #: The component adapts weights trained before (adapters): training needs them
-    #: (``train.init_from``), which ``llmkit validate`` checks for spec files.
-    needs_base_weights: ClassVar[bool] = False
-
-    def parameter_count(self, d_model: int, bias: bool) -> int | None:
-        """The parameters of the component these options build in a model of width
-        ``d_model`` whose linear layers have biases when ``bias`` (unless the options say
-        otherwise), or None when the options do not say (the default). Feed-forward options
-        say it: the spec's size estimate (:func:`llmkit.spec.estimate_parameters`) sums it,
-        with a generic estimate for an ffn whose options return None."""
-        return None
-
-    def effective(self, d_model: int, bias: bool) -> dict[str, Any]:
-        """The options as they take effect in a model of width ``d_model`` and bias setting
-        ``bias``, as JSON values: what the component derives from them is spelled out, so
-        options that build the same computation give equal mappings. By default every
-        option, with an unset ``bias`` (None: the convention "follows the model's bias
-        setting") replaced by ``bias``; override to resolve other derived values (an ffn's
-        hidden size from its multiplier)."""
-        out = self.model_dump(mode="json")
-        if "bias" in out and out["bias"] is None:
-            out["bias"] = bias
-        return out
-
-
-class NoOptions(ComponentOptions):
-    """For components without options."""
 
 
 @dataclass(frozen=True)
@@ -232,15 +193,6 @@ class PositionalScheme(nn.Module):
         return None
 
 
-def ffn_hidden(d_model: int, hidden: int | None, multiplier: float, multiple_of: int) -> int:
-    """Hidden size: ``hidden`` if given, else ``multiplier·d_model`` rounded up to
-    ``multiple_of``."""
-    if hidden:
-        return hidden
-    raw = int(multiplier * d_model)
-    return multiple_of * math.ceil(raw / multiple_of)
-
-
 # -- the block seams -------------------------------------------------------------------------
 
 
@@ -301,26 +253,6 @@ class QKTransform(nn.Module, ABC):
     @abstractmethod
     def forward(self, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
         """The transformed ``(q, k)``, of the same shapes and dtype."""
-
-
-class AdapterOptions(ComponentOptions):
-    """Options every adapter component has (its own ``Options`` subclass this): which linear
-    layers get an adapter, and which other parameters train (and are saved) beside them.
-    Adapters adapt base weights (:attr:`needs_base_weights`)."""
-
-    needs_base_weights: ClassVar[bool] = True
-
-    targets: list[str] = Field(
-        default_factory=lambda: ["attn.qkv", "attn.out_proj"],
-        min_length=1,
-        description="Glob patterns over the dotted names of linear layers (a pattern may match "
-        "the end of a name: 'attn.qkv' is every layer's fused q/k/v projection; 'ffn.*', '*').",
-    )
-    also_train: list[str] = Field(
-        default_factory=list,
-        description="Glob patterns over parameter names that train in full beside the "
-        "adapters (e.g. 'tok_emb.weight' after a vocabulary resize, '*norm*').",
-    )
 
 
 class WeightAdapter(nn.Module, ABC):

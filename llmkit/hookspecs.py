@@ -54,7 +54,10 @@ def register_components(register: Callable[..., Any]) -> None:
       on first use so that listing components never imports torch.
     - ``summary``: one line shown by ``llmkit list``.
     - ``options``: a pydantic model of the component's options (extra keys forbidden), or a
-      ``"module:attr"`` string; when omitted, the target's ``Options`` attribute is used.
+      ``"module:attr"`` string imported on first use; when omitted, the target's ``Options``
+      attribute is used (or its module's ``Options``), which imports the target. Naming a
+      module that imports no torch lets ``llmkit validate``, ``show`` and ``schema`` check
+      specs without importing the component (as llmkit's own components do).
     - ``capabilities``: a dict of what the component needs or supports
       (e.g. ``{"positions": ["embedding", "qk", "score_bias"], "kv_cache": True}``).
 

@@ -1,7 +1,8 @@
 """The optimizer and schedule contract: options bases and helpers every optimizer/schedule uses.
 
-It sits at the contract layer beside :mod:`llmkit.contracts` (and imports only it): the
-built-in optimizers and schedules in ``llmkit.components``, plugins' ones (through
+It sits at the contract layer beside :mod:`llmkit.contracts` (and imports only
+:mod:`llmkit.options`, where the options bases and the schedule helpers are defined without
+torch): the built-in optimizers and schedules in ``llmkit.components``, plugins' ones (through
 ``from llmkit import ...``) and the trainer build on it.
 
 Optimizers are built as ``build(model, options)`` from :func:`param_groups`; every group of
@@ -14,33 +15,25 @@ learning rates (Muon's AdamW part) in proportion.
 
 from __future__ import annotations
 
-import math
 import sys
 from collections.abc import Callable
-from typing import Annotated, Any, ClassVar, Self
+from typing import Any
 
 import torch
-from pydantic import Field
 from torch import nn
 from torch.optim.optimizer import _use_grad_for_differentiable
 
-from llmkit.contracts import ComponentOptions
-
-#: A momentum/averaging coefficient in [0, 1).
-Beta = Annotated[float, Field(ge=0.0, lt=1.0)]
-
-
-class OptimizerOptions(ComponentOptions):
-    """Options every built-in optimizer shares."""
-
-    lr: float = Field(3e-4, gt=0, description="Peak learning rate (schedules scale it)")
-    weight_decay: float = Field(0.0, ge=0, description="Decoupled weight decay coefficient")
-    decay_norms_and_biases: bool = Field(
-        False, description="Also decay 1-D parameters (norm weights, biases)"
-    )
-    decay_embeddings: bool = Field(
-        False, description="Also decay embedding tables (and an output head tied to them)"
-    )
+# The options bases and the schedule helpers are torch-free (a spec's optimizer and schedule
+# are checked without torch): defined in llmkit.options, re-exported here.
+from llmkit.options import Beta as Beta
+from llmkit.options import OptimizerOptions as OptimizerOptions
+from llmkit.options import ScheduleOptions as ScheduleOptions
+from llmkit.options import WarmupOptions as WarmupOptions
+from llmkit.options import check_steps as check_steps
+from llmkit.options import decay_curve as decay_curve
+from llmkit.options import linear_warmup as linear_warmup
+from llmkit.options import schedule_stable_end as schedule_stable_end
+from llmkit.options import schedule_warmup as schedule_warmup
 
 
 def _head_module(name: str) -> bool:
@@ -190,96 +183,3 @@ def set_lr_factor(optimizer: torch.optim.Optimizer, factor: float) -> None:
     """Set every group's lr to ``initial_lr · factor`` (the factor a schedule returns)."""
     for group in optimizer.param_groups:
         group["lr"] = group["initial_lr"] * factor
-
-
-class WarmupOptions(ComponentOptions):
-    """Options of a schedule with a linear warmup only.
-
-    The schedule contract's facts about a run of ``max_steps`` steps, which the core asks
-    instead of reading option names (``llmkit validate``, ``--max-steps``, a sweep's
-    ``branch_budgets``): :meth:`warmup` and :meth:`stable_end`; and how to set the warmup
-    (``--max-steps`` scales it down): :attr:`warmup_option` and :meth:`with_warmup`.
-    Override them where the options say these otherwise.
-    """
-
-    warmup_steps: int = Field(0, ge=0, description="Steps of linear warmup from lr/warmup_steps")
-
-    #: The option that sets the warmup, in steps (``--set schedule.<it>=N`` sets a warmup of
-    #: N steps); None where no option does (the warmup is then never scaled down).
-    warmup_option: ClassVar[str | None] = "warmup_steps"
-
-    def with_warmup(self, steps: int) -> Self:
-        """These options with a warmup of ``steps`` steps: :attr:`warmup_option` set to it."""
-        if self.warmup_option is None:
-            raise ValueError(f"{type(self).__name__} has no option that sets the warmup")
-        return self.model_copy(update={self.warmup_option: steps})
-
-    def warmup(self, max_steps: int) -> int:
-        """The steps of warmup in a run of ``max_steps`` steps: ``warmup_steps``."""
-        return self.warmup_steps
-
-    def stable_end(self, max_steps: int) -> int | None:
-        """The step at which the stable (constant, peak-lr) phase of a run of ``max_steps``
-        steps ends and the decay starts, or None: no stable phase to branch a shorter run
-        from (the default; WSD has one)."""
-        return None
-
-
-class ScheduleOptions(WarmupOptions):
-    """Options of a schedule that decays towards a floor (with :meth:`warmup` and
-    :meth:`stable_end` as :class:`WarmupOptions`)."""
-
-    min_lr_ratio: float = Field(
-        0.1, ge=0.0, le=1.0, description="Final lr as a fraction of the base lr"
-    )
-
-
-def schedule_warmup(options: object, max_steps: int) -> int:
-    """A schedule's warmup (its options' ``warmup``) in a run of ``max_steps`` steps; 0 for
-    options that do not declare one."""
-    warmup = getattr(options, "warmup", None)
-    return warmup(max_steps) if callable(warmup) else 0
-
-
-def schedule_stable_end(options: object, max_steps: int) -> int | None:
-    """A schedule's stable end (its options' ``stable_end``) in a run of ``max_steps``
-    steps; None for options that do not declare one (no stable phase)."""
-    stable_end = getattr(options, "stable_end", None)
-    return stable_end(max_steps) if callable(stable_end) else None
-
-
-def check_steps(warmup_steps: int, total_steps: int, schedule: str) -> None:
-    """Raise ``ValueError`` unless ``0 ≤ warmup_steps ≤ total_steps`` and ``total_steps ≥ 1``."""
-    if total_steps < 1:
-        raise ValueError(f"schedule {schedule!r}: total_steps must be ≥ 1, got {total_steps}")
-    if warmup_steps > total_steps:
-        raise ValueError(
-            f"schedule {schedule!r}: warmup_steps ({warmup_steps}) exceeds "
-            f"total_steps ({total_steps})"
-        )
-
-
-def linear_warmup(step: int, warmup_steps: int) -> float:
-    """Warmup factor: ``(step + 1) / warmup_steps`` while ``step < warmup_steps``, else 1.
-
-    As in nanoGPT, step 0 already trains at ``lr / warmup_steps`` and the last warmup step
-    reaches the full lr.
-    """
-    if step < warmup_steps:
-        return (step + 1) / warmup_steps
-    return 1.0
-
-
-def decay_curve(progress: float, shape: str) -> float:
-    """A decay from 1 at ``progress = 0`` to 0 at ``progress = 1`` (clamped outside).
-
-    ``linear``: 1 − p; ``cosine``: (1 + cos πp)/2; ``sqrt``: 1 − √p (Hägele et al. 2024).
-    """
-    p = min(max(progress, 0.0), 1.0)
-    if shape == "linear":
-        return 1.0 - p
-    if shape == "cosine":
-        return 0.5 * (1.0 + math.cos(math.pi * p))
-    if shape == "sqrt":
-        return 1.0 - math.sqrt(p)
-    raise ValueError(f"unknown decay shape {shape!r}; expected linear, cosine or sqrt")

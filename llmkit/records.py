@@ -31,7 +31,10 @@ class Component:
     name: str
     target: Any  # a factory, or a lazy "module:attr" string
     summary: str = ""
-    options: Any = None  # pydantic model class, "module:attr", or None (= target's Options)
+    #: A pydantic model class, ``"module:attr"`` (imported on first use, without the target:
+    #: a torch-free options module keeps spec checks torch-free), or None (the target's
+    #: ``Options``, or its module's; importing the target).
+    options: Any = None
     capabilities: dict[str, Any] = field(default_factory=dict)
     provider: str = "?"
     version: str = "?"
@@ -66,7 +69,9 @@ class Component:
         return self.target
 
     def options_model(self) -> type:
-        """The pydantic model of this component's options."""
+        """The pydantic model of this component's options: ``options`` imported, else the
+        factory's ``Options`` (its module's ``Options``; :class:`~llmkit.options.NoOptions`
+        when neither has one), which imports the factory."""
         if isinstance(self.options, str):
             self.options = self._import(self.options)
         if self.options is None:
@@ -76,7 +81,7 @@ class Component:
                 module = importlib.import_module(factory.__module__)
                 opts = getattr(module, "Options", None)
             if opts is None:
-                from llmkit.contracts import NoOptions
+                from llmkit.options import NoOptions
 
                 opts = NoOptions
             self.options = opts

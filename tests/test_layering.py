@@ -17,11 +17,13 @@ PLUGINS = ROOT / "plugins"
 
 #: The layers, lowest first. A module may import its own layer and every layer below it.
 LAYERS: list[tuple[str, ...]] = [
-    # contracts: what components, kernels, the model and plugins rely on; hardware: device
-    # choice (imports only errors, files); files: atomic writes, full disks; dropout: the
-    # CPU dropout of 16-bit masks; messages: the chat message contract
+    # contracts: what components, kernels, the model and plugins rely on; options: the
+    # torch-free bases of every component's options; hardware: device choice (imports only
+    # errors, files); files: atomic writes, full disks; dropout: the CPU dropout of 16-bit
+    # masks; messages: the chat message contract
     (
         "contracts",
+        "options",
         "ops",
         "optim",
         "errors",

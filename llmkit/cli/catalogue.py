@@ -1,5 +1,8 @@
 """What is registered and whether specs are valid: ``list``, ``show``, ``plugins``,
-``validate`` and ``schema``. Listing imports no component module (and no torch)."""
+``validate`` and ``schema``. None of them imports torch: they read the components' options
+models, which llmkit's own components (and plugins that name their ``options``) keep in
+torch-free modules. ``validate --build`` builds the model and ``show --runtime`` imports the
+component, both importing torch."""
 
 from __future__ import annotations
 
@@ -40,7 +43,12 @@ def register_commands(register: Callable[..., Any]) -> None:
         help="list plugins, what they provide, failures and overrides",
         configure=configure_plugins,
     )
-    register("validate", run_validate, help="validate spec files", configure=configure_validate)
+    register(
+        "validate",
+        run_validate,
+        help="validate spec files (--build: also build the model)",
+        configure=configure_validate,
+    )
     register(
         "schema",
         run_schema,
@@ -124,17 +132,27 @@ def _leading_comment(path: Any) -> str:
 def configure_show(p: argparse.ArgumentParser) -> None:
     p.add_argument("kind")
     p.add_argument("name")
+    p.add_argument(
+        "--runtime",
+        action="store_true",
+        help="also import the component: its own docstring and, for a kernel with a Triton or "
+        "compiled path, which path it takes on this machine (imports torch)",
+    )
 
 
 def run_show(args: argparse.Namespace) -> int:
     rec = registry().get(args.kind, args.name)
     model = rec.options_model()  # a module that fails to import: a one-line RegistryError
-    factory = rec.load()
+    # The component itself (its module imports torch) is imported only with --runtime, or
+    # when it is already at hand: a plugin that registered an object, or whose options were
+    # found on its target. Otherwise the catalogue's summary and the options' own docstring
+    # describe it.
+    factory = rec.load() if args.runtime or not isinstance(rec.target, str) else None
     con = console()
     con.print(f"[bold]{rec.kind} {rec.name}[/]: {rec.summary}")
     con.print(f"provider: {rec.provider} {rec.version}")
     con.print(f"target:   {rec.target_path}")
-    doc = (getattr(factory, "__doc__", None) or "").strip()
+    doc = _own_doc(factory) if factory is not None else _own_doc(model)
     if doc:
         con.print(doc, markup=False)
     caps = ", ".join(f"{k}={v}" for k, v in rec.capabilities.items()) or "none declared"
@@ -154,6 +172,14 @@ def run_show(args: argparse.Namespace) -> int:
         out.add_row(name, _type_name(f.annotation), default, f.description or "")
     con.print(out)
     return 0
+
+
+def _own_doc(obj: Any) -> str:
+    """``obj``'s docstring; none for :class:`~llmkit.options.NoOptions`, whose docstring says
+    nothing about the component."""
+    from llmkit.options import NoOptions
+
+    return "" if obj is NoOptions else (getattr(obj, "__doc__", None) or "").strip()
 
 
 def _type_name(ann: Any) -> str:
@@ -367,6 +393,12 @@ def configure_validate(p: argparse.ArgumentParser) -> None:
     p.add_argument("specs", nargs="+", metavar="SPEC")
     add_set(p)
     p.add_argument("--resolved", action="store_true", help="print the resolved spec as JSON")
+    p.add_argument(
+        "--build",
+        action="store_true",
+        help="also build the model (on the meta device, or on the CPU when small) to catch "
+        "what only the components check, e.g. RoPE's even rotary dims; imports torch",
+    )
 
 
 def run_validate(args: argparse.Namespace) -> int:
@@ -388,22 +420,25 @@ def run_validate(args: argparse.Namespace) -> int:
             failed += 1
             err.print(f"[red]✗[/] {escape(str(exc))}", markup=True)
             continue
-        # What only the components know (e.g. RoPE's even rotary dims): build it. Imported
-        # here, not above: a spec that does not load (a TOML error, a missing `requires`)
-        # is reported without importing torch.
-        from llmkit.model import build_problems
+        note = " (model not built; --build checks it)"
+        if args.build:
+            # What only the components know (e.g. RoPE's even rotary dims): build it. Only
+            # on request: the model's code imports torch, which the checks above never do.
+            from llmkit.model import build_problems
 
-        problems = build_problems(rs)
-        if problems:
-            failed += 1
-            err.print(
-                f"[red]✗[/] {escape(str(path))}: the model does not build: "
-                f"{escape('; '.join(problems))}",
-                markup=True,
-            )
-            continue
+            problems = build_problems(rs)
+            if problems:
+                failed += 1
+                err.print(
+                    f"[red]✗[/] {escape(str(path))}: the model does not build: "
+                    f"{escape('; '.join(problems))}",
+                    markup=True,
+                )
+                continue
+            note = ", the model builds"
         # With --resolved, stdout carries only the JSON (pipeable); the verdict goes to stderr.
-        (err if args.resolved else con).print(f"[green]✓[/] {path}: {len(rs.layers)} layers, valid")
+        verdict = f"[green]✓[/] {escape(str(path))}: {len(rs.layers)} layers, valid{note}"
+        (err if args.resolved else con).print(verdict, markup=True)
         if args.resolved:
             con.print_json(json.dumps(rs.to_dict()))
     return EXIT_USER_ERROR if failed else 0

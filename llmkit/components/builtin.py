@@ -1,7 +1,9 @@
 """llmkit's built-in plugin: registers every entry of the ``registry.toml`` catalogue.
 
 It is loaded through the ``llmkit`` entry-point group like any third-party plugin and
-imports no component module until a component is used.
+imports no component module until a component is built: each entry names its options model
+(``options``) in a torch-free module, so a spec is read, validated and given its schema
+without the components' code.
 """
 
 from __future__ import annotations
@@ -35,5 +37,6 @@ def register_components(register: Callable[..., Any]) -> None:
             entry["name"],
             entry["target"],
             summary=entry["summary"],
+            options=entry.get("options"),
             capabilities=entry.get("capabilities", {}),
         )

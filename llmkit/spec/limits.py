@@ -11,11 +11,10 @@ that adapts base weights (an adapter) comes with ``train.init_from``.
 :func:`fit_warmup` scales a schedule's warmup down for a shorter ``--max-steps`` run.
 
 No option is read by name: the components' options state these facts (the contract of
-:class:`llmkit.contracts.ComponentOptions` and :class:`llmkit.optim.WarmupOptions`): an ffn's
+:class:`llmkit.options.ComponentOptions` and :class:`llmkit.options.WarmupOptions`): an ffn's
 ``parameter_count``, a component's ``needs_base_weights``, a schedule's ``warmup`` (through
-:func:`llmkit.optim.schedule_warmup`), ``warmup_option`` and ``with_warmup``. ``llmkit.optim``
-imports torch, so it is imported where the schedule's options are at hand (their module
-imported it).
+:func:`llmkit.options.schedule_warmup`), ``warmup_option`` and ``with_warmup``. All of it is
+torch-free, as are the built-in schedules these checks build.
 """
 
 from __future__ import annotations
@@ -26,6 +25,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from llmkit.errors import LlmkitError, RegistryError
+from llmkit.options import schedule_warmup
 from llmkit.spec.models import Spec, TrainSpec
 from llmkit.spec.sections import default_names, get_at, spec_kinds
 
@@ -73,8 +73,6 @@ def _schedule_error(schedule: Any, options: Any, total_steps: int) -> str | None
 
 
 def _schedule_problems(section: str, schedule: Any, max_steps: int) -> list[str]:
-    from llmkit.optim import schedule_warmup
-
     warmup = schedule_warmup(schedule.options, max_steps)
     if warmup > max_steps:
         option = _warmup_option(schedule.options)
@@ -181,8 +179,6 @@ def fit_warmup(
     option = _warmup_option(options)
     if option is None:
         return None
-    from llmkit.optim import schedule_warmup
-
     train = data.get("train") if isinstance(data.get("train"), dict) else {}
     own = train.get("max_steps", TrainSpec.model_fields["max_steps"].default)
     if not isinstance(own, int) or own < 1:

@@ -78,7 +78,7 @@ def test_plugins_lists_the_builtin_plugins(capsys):
 
 def test_validate_good_and_bad(capsys, tmp_path):
     code, out, err = run(capsys, "validate", str(SPECS / "tiny.toml"), "--resolved")
-    assert code == 0 and "valid" in err
+    assert code == 0 and "valid (model not built; --build checks it)" in err
     assert json.loads(out)["model"]["layers"]  # stdout is the JSON alone
     bad = tmp_path / "bad.toml"
     bad.write_text('[model]\nd_model = 8\nn_layers = 1\nn_heads = 2\nffn = { name = "mpl" }\n')
@@ -87,9 +87,26 @@ def test_validate_good_and_bad(capsys, tmp_path):
 
 
 def test_validate_builds_the_model_to_find_what_only_components_know(capsys):
-    code, _, err = run(capsys, "validate", str(SPECS / "tiny.toml"), "--set", "model.head_dim=7")
-    assert code == 2
+    argv = ["validate", str(SPECS / "tiny.toml"), "--set", "model.head_dim=7"]
+    code, out, err = run(capsys, *argv, "--build")
+    assert code == 2 and not out
     assert "the model does not build: position 'rope'" in err and "rot_dim 7" in err
+    code, out, _ = run(capsys, *argv)  # without --build: the spec is valid, the model unbuilt
+    assert code == 0
+    assert "tiny.toml: 4 layers, valid (model not built; --build checks it)" in out
+    code, out, _ = run(capsys, "validate", str(SPECS / "tiny.toml"), "--build")
+    assert code == 0 and "tiny.toml: 4 layers, valid, the model builds" in out
+
+
+def test_show_describes_a_component_without_importing_it_unless_asked(capsys):
+    """The catalogue's summary and the options' docstring describe a built-in component; with
+    --runtime its module is imported: its own docstring, and for a kernel the path it takes."""
+    code, out, _ = run(capsys, "show", "optimizer", "lion")
+    assert code == 0 and "Lion: sign-of-momentum updates" in out
+    assert "Use an lr 3-10× smaller" in out  # the options' docstring
+    code, out, _ = run(capsys, "show", "attention", "flash", "--runtime")
+    assert code == 0 and "Fused flash-attention Triton kernel (FlashAttention-2, Dao 2023)" in out
+    assert "runtime: attention.flash: " in out
 
 
 def test_schema_writes_json(tmp_path):
@@ -126,8 +143,10 @@ PARTWAY = "plugin 'partway' (llmkit-partway) provides it but failed to load: reg
 
 def test_commands_name_the_failed_plugin_a_spec_asks_for(capsys, tmp_path, partway_failed):
     code, _, err = run(capsys, "show", "norm", "early_norm")
-    assert code == 2 and "unknown norm 'early_norm'" in err and PARTWAY in err
-    assert err.strip().count("\n") == 0
+    # every command first names the failed plugin (one warning line), then the error: one line
+    warning, error = err.strip().splitlines()
+    assert warning.startswith("warning: plugin 'partway' (llmkit-partway) failed: ")
+    assert code == 2 and "unknown norm 'early_norm'" in error and PARTWAY in error
     spec = tmp_path / "spec.toml"
     spec.write_text(
         '[model]\nd_model = 32\nn_layers = 2\nn_heads = 4\nnorm = { name = "early_norm" }\n'

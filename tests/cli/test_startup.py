@@ -3,11 +3,13 @@
 Each command runs in a fresh interpreter (``main(argv)``) and the test reads ``sys.modules``
 afterwards, as tests/cli/test_cli_app.py does for ``--help`` and ``list``.
 
-``validate``, ``show`` and ``schema`` need no model, but today they still import torch: the
-built-in components define their pydantic ``Options`` in the modules that also hold their
-``nn.Module`` code (and import torch at the top), and ``llmkit.contracts``, which every
-``Options`` subclasses, defines the ``nn.Module`` contracts. Those cases are strict xfails:
-when the options models move into torch-free modules they pass, and the marker must go.
+``validate``, ``show`` and ``schema`` need no model, and import no torch: the built-in
+components keep their pydantic ``Options`` in one torch-free module per kind
+(``llmkit.components.<kind>.options``, named by each ``registry.toml`` entry's ``options``),
+whose bases are in the torch-free ``llmkit.options`` (re-exported by ``llmkit.contracts``, which
+defines the ``nn.Module`` contracts), and the built-in schedules, which ``validate`` builds
+to check a spec's warmup against its run, import none either. Only ``validate --build`` (the
+model on the meta device) and ``show --runtime`` (the component's module) import torch.
 """
 
 from __future__ import annotations
@@ -75,24 +77,17 @@ def test_reading_a_spec_and_the_registry_imports_no_torch():
     ids=["bad-toml", "missing-requires"],
 )
 def test_validate_reports_a_spec_that_does_not_load_without_importing_torch(tmp_path, name, text):
-    """The model-build check imports torch only for a spec that loaded."""
+    """Not even ``--build`` imports torch for a spec that does not load."""
     spec = tmp_path / f"{name}.toml"
     spec.write_text(text, encoding="utf-8")
-    assert heavy_after(["validate", str(spec)], expect=2) == []
+    assert heavy_after(["validate", "--build", str(spec)], expect=2) == []
 
 
-NEEDS_OPTIONS_MODULES = pytest.mark.xfail(
-    strict=True,
-    reason="built-in components define Options beside their torch code, and "
-    "llmkit.contracts imports torch: see this module's docstring",
-)
-
-
-@NEEDS_OPTIONS_MODULES
 @pytest.mark.parametrize(
     "argv",
     [["validate", str(SPECS / "tiny.toml")], ["show", "attention", "sdpa"], ["schema"]],
     ids=lambda argv: argv[0],
 )
 def test_commands_that_need_no_model_import_no_torch(argv):
+    """``schema`` reads every component's options model, so every one of them is torch-free."""
     assert heavy_after(argv, expect=0) == []

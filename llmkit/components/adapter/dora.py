@@ -13,11 +13,9 @@ from __future__ import annotations
 from torch import Tensor, nn
 
 from llmkit.components.adapter.lora import LoRA
-from llmkit.components.adapter.lora import Options as LoRAOptions
+from llmkit.components.adapter.options import DoRAOptions
 
-
-class Options(LoRAOptions):
-    """Options of DoRA (those of LoRA)."""
+Options = DoRAOptions  # the name this module has always given them
 
 
 class DoRA(LoRA):

@@ -10,20 +10,12 @@ from __future__ import annotations
 import math
 
 import torch
-from pydantic import Field
 from torch import Tensor, nn
 
-from llmkit.contracts import AdapterOptions, WeightAdapter
+from llmkit.components.adapter.options import LoRAOptions
+from llmkit.contracts import WeightAdapter
 
-
-class Options(AdapterOptions):
-    """Options of LoRA."""
-
-    rank: int = Field(8, gt=0, le=4096, description="Rank r of the update B·A.")
-    alpha: float = Field(
-        16.0, gt=0, le=1e6, allow_inf_nan=False, description="Scale numerator: α/r (or α/√r)."
-    )
-    rank_stabilized: bool = Field(False, description="Scale by α/√r (rsLoRA) instead of α/r.")
+Options = LoRAOptions  # the name this module has always given them
 
 
 def lora_scale(options: Options) -> float:

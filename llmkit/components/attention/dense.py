@@ -9,35 +9,11 @@ which every other kernel is tested against.
 
 from __future__ import annotations
 
-from typing import ClassVar
-
-from pydantic import Field
 from torch import Tensor
 
-from llmkit.contracts import AttentionKernel, BuildContext, ComponentOptions, DistanceBias
+from llmkit.components.attention.options import DenseAttentionOptions
+from llmkit.contracts import AttentionKernel, BuildContext, DistanceBias
 from llmkit.ops import reference_attention
-
-
-class DenseAttentionOptions(ComponentOptions):
-    """Options of the dense reference kernel."""
-
-    dropout: float = Field(
-        0.0, ge=0.0, lt=1.0, description="Dropout on attention probabilities (training only)."
-    )
-    window: int | None = Field(
-        None,
-        ge=1,
-        description="Causal sliding window: keys each query attends, counting itself "
-        "(positions p−W+1 … p); unset attends every earlier key.",
-    )
-    softcap: float | None = Field(
-        None,
-        gt=0.0,
-        description="Soft-cap the scaled scores to (−c, c) as c·tanh(s/c) before masking "
-        "(Gemma 2's attention logit soft-capping).",
-    )
-
-    training_only: ClassVar[frozenset[str]] = frozenset({"dropout"})
 
 
 class DenseAttention(AttentionKernel):

@@ -13,13 +13,11 @@ faster in fp32 than in bf16.
 
 from __future__ import annotations
 
-from typing import ClassVar
-
 import torch
-from pydantic import Field
 from torch import Tensor
 
-from llmkit.contracts import AttentionKernel, BuildContext, ComponentOptions, DistanceBias
+from llmkit.components.attention.options import SDPAttentionOptions
+from llmkit.contracts import AttentionKernel, BuildContext, DistanceBias
 from llmkit.kernels import attention_dropout
 from llmkit.ops import sdpa_attention
 
@@ -41,16 +39,6 @@ def widen_on_cpu(q: Tensor, k: Tensor) -> bool:
         and q.dtype == torch.bfloat16
         and (k.shape[2] <= WIDEN_KEYS or q.shape[3] <= WIDEN_HEAD_DIM)
     )
-
-
-class SDPAttentionOptions(ComponentOptions):
-    """Options of the SDPA kernel."""
-
-    dropout: float = Field(
-        0.0, ge=0.0, lt=1.0, description="Dropout on attention probabilities (training only)."
-    )
-
-    training_only: ClassVar[frozenset[str]] = frozenset({"dropout"})
 
 
 class SDPAttention(AttentionKernel):

@@ -14,12 +14,10 @@ function is also the kernels' test reference.
 
 from __future__ import annotations
 
-from typing import ClassVar
-
-from pydantic import Field
 from torch import Tensor
 
-from llmkit.contracts import AttentionKernel, BuildContext, ComponentOptions, DistanceBias
+from llmkit.components.attention.options import SlidingWindowOptions
+from llmkit.contracts import AttentionKernel, BuildContext, DistanceBias
 from llmkit.kernels import runtime, window_native
 from llmkit.kernels.block_local import block_local_attention, default_chunk
 from llmkit.ops import check_shapes
@@ -34,19 +32,6 @@ __all__ = [
 
 #: Component name used in runtime notices.
 NAME = "attention.sliding_window"
-
-
-class SlidingWindowOptions(ComponentOptions):
-    """Options of sliding-window attention."""
-
-    window: int = Field(
-        256, ge=1, description="Keys each query attends, counting itself (positions p−W+1 … p)."
-    )
-    dropout: float = Field(
-        0.0, ge=0.0, lt=1.0, description="Dropout on attention probabilities (training only)."
-    )
-
-    training_only: ClassVar[frozenset[str]] = frozenset({"dropout"})
 
 
 def sliding_window_attention(

@@ -4,20 +4,10 @@ x + attn(norm1(x)) + ffn(norm(x)), with one shared norm (GPT-J, Phi, PaLM) or tw
 
 from __future__ import annotations
 
-from pydantic import Field
 from torch import Tensor
 
-from llmkit.contracts import AttentionInputs, Block, BlockParts, BuildContext, ComponentOptions
-
-
-class ParallelOptions(ComponentOptions):
-    """Options of the parallel block."""
-
-    shared_norm: bool = Field(
-        True,
-        description="One norm feeds both attention and ffn (GPT-J, Phi, PaLM); false: a "
-        "second norm for the ffn (GPT-NeoX).",
-    )
+from llmkit.components.block.options import ParallelOptions
+from llmkit.contracts import AttentionInputs, Block, BlockParts, BuildContext
 
 
 class ParallelBlock(Block):

@@ -6,20 +6,10 @@ x + norm(attn(x)) (OLMo 2, OLMo et al. 2024: "norms after the sublayer")."""
 
 from __future__ import annotations
 
-from pydantic import Field
 from torch import Tensor, nn
 
-from llmkit.contracts import AttentionInputs, Block, BlockParts, BuildContext, ComponentOptions
-
-
-class SandwichOptions(ComponentOptions):
-    """Options of the sandwich block."""
-
-    input_norms: bool = Field(
-        True,
-        description="Normalize each sublayer's input as well as its output (Gemma 2); false "
-        "normalizes the output only (OLMo 2).",
-    )
+from llmkit.components.block.options import SandwichOptions
+from llmkit.contracts import AttentionInputs, Block, BlockParts, BuildContext
 
 
 class SandwichBlock(Block):

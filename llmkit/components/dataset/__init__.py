@@ -8,7 +8,7 @@ change, so cached token files are never reused for edited data.
 
 Splits are deterministic for a seed whatever order the filesystem lists files in. Modules
 here import ``datasets`` lazily so that resolving a spec stays cheap; shared helpers live
-in this file.
+in this file, and every source's options in :mod:`llmkit.components.dataset.options`.
 """
 
 from __future__ import annotations
@@ -20,9 +20,8 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pydantic import Field
-
-from llmkit.contracts import ComponentOptions
+from llmkit.components.dataset.options import FileSourceOptions as FileSourceOptions
+from llmkit.components.dataset.options import TableSourceOptions as TableSourceOptions
 from llmkit.errors import LlmkitError, first_line
 
 if TYPE_CHECKING:
@@ -30,19 +29,6 @@ if TYPE_CHECKING:
 
 VALIDATION_NAMES = ("validation", "valid", "val", "test")
 _GLOB_CHARS = set("*?[")
-
-
-class FileSourceOptions(ComponentOptions):
-    """Options shared by sources that read local files."""
-
-    paths: list[str] = Field(
-        default_factory=list,
-        description="Files or glob patterns (** recurses); relative to the current directory. "
-        "Required.",
-    )
-    val_paths: list[str] | None = Field(
-        None, description="Explicit validation files or globs, instead of splitting `paths`."
-    )
 
 
 # -- files ----------------------------------------------------------------------------------
@@ -238,18 +224,6 @@ def _reason(exc: BaseException) -> str:
 
 
 # -- sources read through datasets.load_dataset ------------------------------------------------
-
-
-class TableSourceOptions(FileSourceOptions):
-    """Options of sources with a text field, read by ``datasets.load_dataset``."""
-
-    text_field: str = Field("text", min_length=1, description="The field holding the text.")
-    val_fraction: float = Field(
-        0.05, gt=0, lt=1, description="Share of documents held out (seeded) without val_paths."
-    )
-    cache_dir: str | None = Field(
-        None, description="Where datasets keeps its Arrow copy; default datasets' own cache."
-    )
 
 
 class FileSource:

@@ -12,124 +12,20 @@ render, mask and tokenize them.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pydantic import Field, field_validator
-
-from llmkit.components.dataset import (
-    FileSource,
-    FileSourceOptions,
-    dataset_dict,
-    seeded_split,
-    text_dataset,
-)
+from llmkit.components.dataset import FileSource, dataset_dict, seeded_split, text_dataset
+from llmkit.components.dataset.options import CHATML as CHATML
+from llmkit.components.dataset.options import PLAIN as PLAIN
+from llmkit.components.dataset.options import TEMPLATES, ChatFormat
+from llmkit.components.dataset.options import ChatOptions as Options
 from llmkit.errors import LlmkitError
 from llmkit.files import read_utf8
 from llmkit.messages import check_messages, json_type
 
 if TYPE_CHECKING:
     import datasets
-
-
-@dataclass(frozen=True)
-class ChatFormat:
-    """How conversations become tokens: the Jinja2 ``template``, the ``special_tokens`` it
-    needs in the tokenizer (added when the tokenizer is trained), the token that ends an
-    assistant turn (None: the tokenizer's EOS), and whether only the assistant's tokens are
-    trained on."""
-
-    name: str
-    template: str
-    special_tokens: tuple[str, ...] = ()
-    end_of_turn: str | None = None
-    mask_prompt: bool = True
-
-
-#: ``User:``/``Assistant:`` markers, each assistant turn ended by the tokenizer's EOS (the
-#: spec's first special token): needs no new token, so it fits any base tokenizer.
-PLAIN = ChatFormat(
-    "plain",
-    "{% for message in messages %}"
-    "{% if message['role'] == 'system' %}{{ 'System: ' + message['content'] + '\\n' }}"
-    "{% elif message['role'] == 'user' %}{{ 'User: ' + message['content'] + '\\n' }}"
-    "{% elif message['role'] == 'assistant' %}"
-    "{{ 'Assistant: ' + message['content'] + eos_token }}"
-    "{% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}",
-)
-#: ChatML (``<|im_start|>role\n...<|im_end|>\n``), as Qwen and others use it.
-CHATML = ChatFormat(
-    "chatml",
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}",
-    ("<|im_start|>", "<|im_end|>"),
-    "<|im_end|>",
-)
-TEMPLATES = {f.name: f for f in (PLAIN, CHATML)}
-
-
-def _is_jinja(template: str) -> bool:
-    return "{{" in template or "{%" in template
-
-
-class Options(FileSourceOptions):
-    """Options of the chat source."""
-
-    val_fraction: float = Field(
-        0.05, gt=0, lt=1, description="Share of records held out (seeded) without val_paths."
-    )
-    template: str = Field(
-        "plain",
-        min_length=1,
-        description="A built-in template (plain: User:/Assistant: markers, turns ended by "
-        "the EOS; chatml: <|im_start|>/<|im_end|>) or a Jinja2 chat template as in Hugging "
-        "Face's tokenizer_config.json.",
-    )
-    mask_prompt: bool = Field(
-        True, description="Train only on the assistant's tokens (others get target -100)."
-    )
-    special_tokens: list[str] = Field(
-        default_factory=list,
-        description="More special tokens the template uses, added when the tokenizer is "
-        "trained (a Jinja template's own tokens; the built-ins add theirs).",
-    )
-    end_of_turn: str | None = Field(
-        None,
-        min_length=1,
-        description="The token ending an assistant turn, where generation stops; default "
-        "the template's (plain: the EOS, chatml: <|im_end|>).",
-    )
-
-    @field_validator("template")
-    @classmethod
-    def _known_template(cls, value: str) -> str:
-        if _is_jinja(value):
-            from jinja2 import TemplateSyntaxError
-            from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-            try:
-                ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).parse(value)
-            except TemplateSyntaxError as exc:
-                raise ValueError(
-                    f"Jinja syntax error at line {exc.lineno} of the template: {exc.message}"
-                ) from None
-        elif value not in TEMPLATES:
-            raise ValueError(
-                f"unknown template {value!r} (built-in: {', '.join(TEMPLATES)}; or give a "
-                "Jinja2 chat template)"
-            )
-        return value
-
-    @field_validator("special_tokens")
-    @classmethod
-    def _tokens(cls, tokens: list[str]) -> list[str]:
-        if any(not t for t in tokens):
-            raise ValueError("a special token cannot be empty")
-        return tokens
 
 
 class ChatSource(FileSource):

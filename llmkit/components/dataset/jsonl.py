@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-from llmkit.components.dataset import TableSource, TableSourceOptions
-
-
-class Options(TableSourceOptions):
-    """Options of the jsonl source."""
+from llmkit.components.dataset import TableSource
+from llmkit.components.dataset.options import JsonlOptions as Options
 
 
 class JsonLines(TableSource):

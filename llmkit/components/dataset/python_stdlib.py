@@ -8,8 +8,6 @@ import sysconfig
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pydantic import Field
-
 from llmkit.components.dataset import (
     dataset_dict,
     human_bytes,
@@ -17,7 +15,7 @@ from llmkit.components.dataset import (
     text_dataset,
     unit_hash,
 )
-from llmkit.contracts import ComponentOptions
+from llmkit.components.dataset.options import PythonStdlibOptions as Options
 from llmkit.errors import LlmkitError
 
 if TYPE_CHECKING:
@@ -27,23 +25,6 @@ if TYPE_CHECKING:
 EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
 #: Test-suite directories (``test/``, ``tests/``, ``idlelib/idle_test``, ``lib2to3/tests``...).
 TEST_DIRS = frozenset({"test", "tests", "idle_test"})
-
-
-class Options(ComponentOptions):
-    """Options of the python-stdlib source."""
-
-    include_tests: bool = Field(
-        False, description="Include the test suites (test/, tests/, idle_test/ directories)."
-    )
-    val_fraction: float = Field(
-        0.05, gt=0, lt=1, description="Share of files (by seeded hash of the path) to validate on."
-    )
-    max_files: int | None = Field(
-        None, gt=0, description="Use at most this many files, picked in a seeded order."
-    )
-    max_bytes: int | None = Field(
-        None, gt=0, description="Use at most this many bytes of source, picked in a seeded order."
-    )
 
 
 class PythonStdlib:

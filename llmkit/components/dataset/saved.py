@@ -5,8 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pydantic import Field
-
 from llmkit.components.dataset import (
     VALIDATION_NAMES,
     dataset_dict,
@@ -14,27 +12,11 @@ from llmkit.components.dataset import (
     seeded_split,
     select_text,
 )
-from llmkit.contracts import ComponentOptions
+from llmkit.components.dataset.options import SavedOptions as Options
 from llmkit.errors import LlmkitError
 
 if TYPE_CHECKING:
     import datasets
-
-
-class Options(ComponentOptions):
-    """Options of the saved source."""
-
-    path: str = Field(
-        "", description="Directory written by Dataset/DatasetDict.save_to_disk. Required."
-    )
-    text_field: str = Field("text", min_length=1, description="The column holding the text.")
-    val_fraction: float = Field(
-        0.05,
-        gt=0,
-        lt=1,
-        description="Share of train documents held out when no validation "
-        "split (validation, valid, val or test) exists.",
-    )
 
 
 class SavedDataset:

@@ -2,36 +2,21 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal
-
-from pydantic import Field
+from typing import TYPE_CHECKING
 
 from llmkit.components.dataset import (
     FileSource,
-    FileSourceOptions,
     dataset_dict,
     human_bytes,
     split_by_hash,
     text_dataset,
 )
+from llmkit.components.dataset.options import TextOptions as Options
 from llmkit.errors import LlmkitError
 from llmkit.files import read_utf8
 
 if TYPE_CHECKING:
     import datasets
-
-
-class Options(FileSourceOptions):
-    """Options of the text source."""
-
-    val_fraction: float = Field(
-        0.1, gt=0, lt=1, description="Share of the text (tail) or of the files held out."
-    )
-    split: Literal["tail", "file"] = Field(
-        "tail",
-        description="tail: the last val_fraction of each file's characters is validation "
-        "(nanoGPT's shakespeare_char); file: whole files by seeded hash of the path.",
-    )
 
 
 class TextFiles(FileSource):

@@ -2,22 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch.nn.functional as F
-from pydantic import Field
 from torch import Tensor
 
-from llmkit.components.ffn.gated import GatedFFN, GatedFFNOptions
+from llmkit.components.ffn.gated import GatedFFN
+from llmkit.components.ffn.options import GeGLUOptions
 from llmkit.contracts import BuildContext
-
-
-class GeGLUOptions(GatedFFNOptions):
-    """Options of the GeGLU block."""
-
-    approximate: Literal["none", "tanh"] = Field(
-        "none", description="GELU form: exact (erf) or the tanh approximation."
-    )
 
 
 class GeGLU(GatedFFN):

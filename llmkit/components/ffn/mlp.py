@@ -8,18 +8,16 @@ Gimpel 2016; ``gelu_tanh`` is GPT-2's tanh approximation), squared ReLU from Pri
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.nn.functional as F
-from pydantic import Field
 from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
-from llmkit.components.ffn.width import HiddenWidth
-from llmkit.contracts import BuildContext, ComponentOptions
-
-Activation = Literal["gelu", "gelu_tanh", "relu", "relu2", "silu"]
+from llmkit.components.ffn.options import Activation as Activation
+from llmkit.components.ffn.options import MLPOptions
+from llmkit.contracts import BuildContext
 
 
 class _ReLU2(torch.autograd.Function):
@@ -56,28 +54,6 @@ ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
     "relu2": _relu2,
     "silu": F.silu,
 }
-
-
-class MLPOptions(HiddenWidth, ComponentOptions):
-    """Options of the two-layer MLP (its size: :class:`HiddenWidth`, two matrices)."""
-
-    activation: Activation = Field(
-        "gelu",
-        description="Activation: gelu, gelu_tanh (GPT-2's approximation), relu, "
-        "relu2 (squared ReLU, Primer) or silu.",
-    )
-    hidden: int | None = Field(
-        None, ge=1, description="Hidden size; when unset, multiplier·d_model rounded up."
-    )
-    multiplier: float = Field(
-        4.0, gt=0.0, description="Hidden size as a multiple of d_model (when hidden is unset)."
-    )
-    multiple_of: int = Field(
-        1, ge=1, description="Round the derived hidden size up to a multiple of this."
-    )
-    bias: bool | None = Field(
-        None, description="Biases on both projections; unset follows the model's bias setting."
-    )
 
 
 class MLP(nn.Module):

@@ -5,11 +5,8 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import Tensor
 
-from llmkit.components.ffn.gated import GatedFFN, GatedFFNOptions
-
-
-class SwiGLUOptions(GatedFFNOptions):
-    """Options of the SwiGLU block."""
+from llmkit.components.ffn.gated import GatedFFN
+from llmkit.components.ffn.options import SwiGLUOptions
 
 
 class SwiGLU(GatedFFN):

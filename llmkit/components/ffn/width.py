@@ -1,6 +1,6 @@
 """What the options of a dense feed-forward block say about it: its hidden size, its
 parameters and its options as they take effect (the contract facts of
-:class:`~llmkit.contracts.ComponentOptions`), shared by ``mlp``, ``swiglu`` and ``geglu``
+:class:`~llmkit.options.ComponentOptions`), shared by ``mlp``, ``swiglu`` and ``geglu``
 and their experts in ``moe``.
 """
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from llmkit.contracts import ffn_hidden
+from llmkit.options import ffn_hidden
 
 
 class HiddenWidth:

@@ -6,18 +6,9 @@ import csv
 import math
 from typing import Any
 
-from pydantic import Field
-
-from llmkit.contracts import ComponentOptions, LoggerContext, MetricsLogger
+from llmkit.components.logger.options import CsvOptions as Options
+from llmkit.contracts import LoggerContext, MetricsLogger
 from llmkit.files import replacing
-
-
-class Options(ComponentOptions):
-    file: str = Field(
-        "metrics.csv",
-        pattern=r"^[^/\\]+\.csv$",
-        description="File name in the run directory",
-    )
 
 
 class CsvLogger(MetricsLogger):

@@ -7,22 +7,12 @@ import math
 import time
 from typing import Any
 
-from pydantic import Field
-
-from llmkit.contracts import ComponentOptions, LoggerContext, MetricsLogger
+from llmkit.components.logger.options import MlflowOptions as Options
+from llmkit.contracts import LoggerContext, MetricsLogger
 from llmkit.errors import LlmkitError
 
 #: MLflow accepts at most this many parameters per batch call.
 PARAMS_PER_CALL = 100
-
-
-class Options(ComponentOptions):
-    experiment: str = Field("llmkit", min_length=1, description="MLflow experiment name")
-    tracking_uri: str | None = Field(
-        None,
-        description="Tracking store (default: sqlite:///RUN/mlflow.db, local and offline; a "
-        "server URL sends the run there)",
-    )
 
 
 class MlflowLogger(MetricsLogger):

@@ -5,16 +5,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from pydantic import Field
-
-from llmkit.contracts import ComponentOptions, LoggerContext, MetricsLogger
+from llmkit.components.logger.options import TensorBoardOptions as Options
+from llmkit.contracts import LoggerContext, MetricsLogger
 from llmkit.errors import LlmkitError
-
-
-class Options(ComponentOptions):
-    dir: str = Field(
-        "tensorboard", pattern=r"^[^/\\]+$", description="Directory in the run directory"
-    )
 
 
 class TensorBoardLogger(MetricsLogger):

@@ -6,16 +6,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from pydantic import Field
-
-from llmkit.contracts import ComponentOptions, LoggerContext, MetricsLogger
+from llmkit.components.logger.options import WandbOptions as Options
+from llmkit.contracts import LoggerContext, MetricsLogger
 from llmkit.errors import LlmkitError
-
-
-class Options(ComponentOptions):
-    project: str = Field("llmkit", min_length=1, description="W&B project name")
-    group: str | None = Field(None, description="W&B group (default: none)")
-    tags: list[str] = Field(default_factory=list, description="W&B tags")
 
 
 class WandbLogger(MetricsLogger):

@@ -4,19 +4,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from pydantic import Field
 from torch import Tensor, nn
 
-from llmkit.contracts import BuildContext, ComponentOptions
-
-
-class LayerNormOptions(ComponentOptions):
-    """Options of LayerNorm."""
-
-    eps: float = Field(1e-5, gt=0.0, description="Added to the variance for numerical stability.")
-    bias: bool | None = Field(
-        None, description="Learn an additive bias; unset follows the model's bias setting."
-    )
+from llmkit.components.norm.options import LayerNormOptions
+from llmkit.contracts import BuildContext
 
 
 class LayerNorm(nn.Module):

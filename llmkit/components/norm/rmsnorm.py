@@ -7,23 +7,10 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from pydantic import Field
 from torch import Tensor, nn
 
-from llmkit.contracts import BuildContext, ComponentOptions
-
-
-class RMSNormOptions(ComponentOptions):
-    """Options of RMSNorm."""
-
-    eps: float = Field(
-        1e-6, gt=0.0, description="Added to the mean square for numerical stability."
-    )
-    offset: float = Field(
-        0.0,
-        description="The gain is offset + weight, weight starting at 1 − offset; Gemma's "
-        "(1 + w) is offset 1 (weights then stored as w, starting at 0).",
-    )
+from llmkit.components.norm.options import RMSNormOptions
+from llmkit.contracts import BuildContext
 
 
 class RMSNorm(nn.Module):

@@ -3,23 +3,10 @@
 from __future__ import annotations
 
 import torch
-from pydantic import Field
 from torch import nn
 
-from llmkit.optim import AdamW, Beta, OptimizerOptions, param_groups_for, set_initial_lr
-
-
-class Options(OptimizerOptions):
-    """AdamW options."""
-
-    betas: tuple[Beta, Beta] = Field((0.9, 0.999), description="Moment decay rates (β1, β2)")
-    eps: float = Field(1e-8, gt=0, description="Denominator epsilon")
-    fused: bool | None = Field(
-        None,
-        description="Use torch's fused kernel (None: where it supports the parameters — plain "
-        "float tensors on one CPU or CUDA device — else torch's default implementation)",
-    )
-
+from llmkit.components.optimizer.options import AdamWOptions as Options
+from llmkit.optim import AdamW, param_groups_for, set_initial_lr
 
 #: Devices whose parameters torch's fused AdamW takes. On a 2-core CPU it steps the baby GPT
 #: (10.7M parameters) in 5.7 ms instead of 27.7 ms (median; ``LLMKIT_BENCH=full pytest

@@ -7,10 +7,10 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
-from pydantic import Field
 from torch import Tensor, nn
 
-from llmkit.optim import Beta, EagerOptimizer, OptimizerOptions, param_groups_for, set_initial_lr
+from llmkit.components.optimizer.options import LionOptions as Options
+from llmkit.optim import EagerOptimizer, param_groups_for, set_initial_lr
 
 
 class Lion(EagerOptimizer):
@@ -60,15 +60,6 @@ class Lion(EagerOptimizer):
                 p.add_(update, alpha=-lr)
                 exp_avg.lerp_(grad, 1.0 - beta2)
         return loss
-
-
-class Options(OptimizerOptions):
-    """Lion options. Use an lr 3-10× smaller and a weight decay 3-10× larger than AdamW's."""
-
-    lr: float = Field(1e-4, gt=0, description="Learning rate (the size of every sign step)")
-    betas: tuple[Beta, Beta] = Field(
-        (0.9, 0.99), description="(β1 interpolation for the update, β2 momentum decay)"
-    )
 
 
 def build(model: nn.Module, options: Options) -> torch.optim.Optimizer:

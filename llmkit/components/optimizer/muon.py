@@ -13,17 +13,10 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
-from pydantic import Field
 from torch import Tensor, nn
 
-from llmkit.optim import (
-    Beta,
-    EagerOptimizer,
-    OptimizerOptions,
-    embedding_like,
-    param_groups_for,
-    set_initial_lr,
-)
+from llmkit.components.optimizer.options import MuonOptions as Options
+from llmkit.optim import EagerOptimizer, embedding_like, param_groups_for, set_initial_lr
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 
@@ -138,20 +131,6 @@ class Muon(EagerOptimizer):
             if wd != 0:
                 p.mul_(1.0 - lr * wd)
             p.addcdiv_(exp_avg, denom, value=-lr / bias1)
-
-
-class Options(OptimizerOptions):
-    """Muon options. ``lr`` is Muon's (hidden matrices); ``adamw_lr`` the AdamW part's."""
-
-    lr: float = Field(0.02, gt=0, description="Learning rate of the Muon (hidden-matrix) part")
-    momentum: Beta = Field(0.95, description="Muon momentum coefficient")
-    nesterov: bool = Field(True, description="Use Nesterov momentum in the Muon part")
-    ns_steps: int = Field(5, ge=1, le=20, description="Newton–Schulz iterations")
-    adamw_lr: float | None = Field(
-        3e-4, gt=0, description="Learning rate of the AdamW part (None: same as lr)"
-    )
-    adamw_betas: tuple[Beta, Beta] = Field((0.9, 0.95), description="AdamW (β1, β2)")
-    adamw_eps: float = Field(1e-8, gt=0, description="AdamW denominator epsilon")
 
 
 def build(model: nn.Module, options: Options) -> torch.optim.Optimizer:

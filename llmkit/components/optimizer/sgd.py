@@ -2,27 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Self
-
 import torch
-from pydantic import Field, model_validator
 from torch import nn
 
-from llmkit.optim import SGD, Beta, OptimizerOptions, param_groups_for, set_initial_lr
-
-
-class Options(OptimizerOptions):
-    """SGD options."""
-
-    momentum: Beta = Field(0.9, description="Momentum coefficient (0: plain SGD)")
-    nesterov: bool = Field(False, description="Use Nesterov momentum")
-    dampening: float = Field(0.0, ge=0.0, le=1.0, description="Dampening of the momentum")
-
-    @model_validator(mode="after")
-    def _nesterov_needs_momentum(self) -> Self:
-        if self.nesterov and (self.momentum <= 0 or self.dampening != 0):
-            raise ValueError("nesterov momentum requires momentum > 0 and dampening = 0")
-        return self
+from llmkit.components.optimizer.options import SGDOptions as Options
+from llmkit.optim import SGD, param_groups_for, set_initial_lr
 
 
 def build(model: nn.Module, options: Options) -> torch.optim.Optimizer:

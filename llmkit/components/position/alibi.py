@@ -10,17 +10,9 @@ import math
 from typing import ClassVar
 
 import torch
-from pydantic import Field
 
-from llmkit.contracts import BuildContext, ComponentOptions, DistanceBias, PositionalScheme
-
-
-class ALiBiOptions(ComponentOptions):
-    """Options of ALiBi."""
-
-    max_bias: float = Field(
-        8.0, gt=0.0, description="b in the slopes 2^(−b/n)…2^(−b) (MPT's alibi_bias_max)."
-    )
+from llmkit.components.position.options import ALiBiOptions
+from llmkit.contracts import BuildContext, DistanceBias, PositionalScheme
 
 
 def alibi_slopes(n: int, max_bias: float = 8.0) -> list[float]:

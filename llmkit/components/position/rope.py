@@ -46,117 +46,14 @@ rotation of the call that made them, in both.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Any, ClassVar
 
 import torch
-from pydantic import Field, model_validator
 from torch import Tensor
 
-from llmkit.components.position.rope_scaling import check_scaling, dynamic_inv_freq, frequencies
-from llmkit.contracts import BuildContext, ComponentOptions, PositionalScheme
-
-_Positive = Annotated[float, Field(gt=0.0)]
-
-
-class RotaryOptions(ComponentOptions):
-    """Options of rotary position embedding."""
-
-    theta: float = Field(
-        10000.0, gt=1.0, description="Base of the rotation frequencies theta^(−2i/rot_dim)."
-    )
-    rotary_fraction: float = Field(
-        1.0,
-        gt=0.0,
-        le=1.0,
-        description="Fraction of each head's dimensions that rotate (GPT-NeoX partial rotary); "
-        "int(head_dim·fraction) must be even.",
-    )
-    pairing: Literal["half", "interleaved"] = Field(
-        "half",
-        description="Which features rotate together: half (feature i with i + rot_dim/2; "
-        "GPT-NeoX, Hugging Face Llama) or interleaved (2i with 2i+1; RoFormer, GPT-J, Meta's "
-        "Llama checkpoints).",
-    )
-    scaling: Literal["none", "linear", "ntk", "dynamic", "llama3", "yarn", "longrope"] = Field(
-        "none",
-        description="Context extension: none, linear (position interpolation, Chen et al. "
-        "2023), ntk (NTK-aware base), dynamic (NTK base from the call's length max(positions)+1 "
-        "once beyond original_max_seq_len), llama3 (Llama 3.1), yarn (Peng et al. 2023) or "
-        "longrope (Ding et al. 2024).",
-    )
-    scaling_factor: float = Field(
-        1.0,
-        ge=1.0,
-        description="Context extension factor (Hugging Face's factor): linear, ntk, dynamic, "
-        "llama3, yarn; for longrope only the default attention factor derives from it.",
-    )
-    original_max_seq_len: int | None = Field(
-        None,
-        ge=1,
-        description="Pre-training context length (Hugging Face's original_max_position_"
-        "embeddings; for dynamic its max_position_embeddings). Required by dynamic, llama3, "
-        "yarn and longrope: longrope switches to long_factor and dynamic rescales its base for "
-        "a call whose max(positions)+1 exceeds it.",
-    )
-    low_freq_factor: float = Field(
-        1.0,
-        gt=0.0,
-        description="llama3: wavelengths above original_max_seq_len/low_freq_factor are "
-        "divided by scaling_factor.",
-    )
-    high_freq_factor: float = Field(
-        4.0,
-        gt=0.0,
-        description="llama3: wavelengths below original_max_seq_len/high_freq_factor are kept; "
-        "must exceed low_freq_factor.",
-    )
-    beta_fast: float = Field(
-        32.0,
-        gt=0.0,
-        description="yarn: dimensions rotating more than beta_fast times over "
-        "original_max_seq_len keep their frequency.",
-    )
-    beta_slow: float = Field(
-        1.0,
-        gt=0.0,
-        description="yarn: dimensions rotating fewer than beta_slow times over "
-        "original_max_seq_len are interpolated (frequency / scaling_factor).",
-    )
-    truncate: bool = Field(
-        True, description="yarn: round the correction range outward to whole dimensions."
-    )
-    mscale: float | None = Field(
-        None,
-        gt=0.0,
-        description="yarn (DeepSeek): with mscale_all_dim, attention factor "
-        "(0.1·mscale·ln s + 1)/(0.1·mscale_all_dim·ln s + 1) instead of 0.1·ln s + 1.",
-    )
-    mscale_all_dim: float | None = Field(
-        None, gt=0.0, description="yarn (DeepSeek): the denominator's mscale; see mscale."
-    )
-    attention_factor: float | None = Field(
-        None,
-        gt=0.0,
-        description="yarn, longrope: factor cos and sin are multiplied by, overriding the "
-        "one derived from scaling_factor.",
-    )
-    short_factor: tuple[_Positive, ...] | None = Field(
-        None,
-        min_length=1,
-        description="longrope: rot_dim/2 frequency divisors for calls whose max(positions)+1 "
-        "is at most original_max_seq_len.",
-    )
-    long_factor: tuple[_Positive, ...] | None = Field(
-        None,
-        min_length=1,
-        description="longrope: rot_dim/2 frequency divisors for calls whose max(positions)+1 "
-        "exceeds original_max_seq_len.",
-    )
-
-    @model_validator(mode="after")
-    def _factor_needs_scaling(self) -> RotaryOptions:
-        check_scaling(self)
-        return self
+from llmkit.components.position.options import RotaryOptions
+from llmkit.components.position.rope_scaling import dynamic_inv_freq, frequencies
+from llmkit.contracts import BuildContext, PositionalScheme
 
 
 class RotaryPosition(PositionalScheme):

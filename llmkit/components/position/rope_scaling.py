@@ -1,5 +1,6 @@
-"""Rotary frequencies of the context-extension methods and their option checks (the mapping to
-and from transformers' ``rope_parameters`` is :mod:`llmkit.interop.rotary`).
+"""Rotary frequencies of the context-extension methods (their option checks are torch-free, in
+:mod:`llmkit.components.position.options`; the mapping to and from transformers'
+``rope_parameters`` is :mod:`llmkit.interop.rotary`).
 
 Each frequency function follows the matching one of transformers'
 ``modeling_rope_utils`` (``_compute_linear_scaling_rope_parameters``,
@@ -14,100 +15,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
-if TYPE_CHECKING:
-    from llmkit.components.position.rope import RotaryOptions
-
-#: The scaling options each scaling type reads; any other one set away from its default is
-#: rejected (it would have no effect).
-USES: dict[str, frozenset[str]] = {
-    "none": frozenset(),
-    "linear": frozenset({"scaling_factor"}),
-    "ntk": frozenset({"scaling_factor"}),
-    "dynamic": frozenset({"scaling_factor", "original_max_seq_len"}),
-    "llama3": frozenset(
-        {"scaling_factor", "original_max_seq_len", "low_freq_factor", "high_freq_factor"}
-    ),
-    "yarn": frozenset(
-        {
-            "scaling_factor",
-            "original_max_seq_len",
-            "beta_fast",
-            "beta_slow",
-            "truncate",
-            "mscale",
-            "mscale_all_dim",
-            "attention_factor",
-        }
-    ),
-    "longrope": frozenset(
-        {
-            "scaling_factor",
-            "original_max_seq_len",
-            "attention_factor",
-            "short_factor",
-            "long_factor",
-        }
-    ),
-}
-SCALING_OPTIONS = frozenset().union(*USES.values())
-
-
-def check_scaling(o: RotaryOptions) -> None:
-    """Raise a one-line ValueError for a combination of scaling options that is incomplete,
-    inconsistent, or sets an option the chosen scaling ignores."""
-    fields = type(o).model_fields
-    for name in sorted(SCALING_OPTIONS - USES[o.scaling]):
-        value = getattr(o, name)
-        if value != fields[name].default:
-            users = ", ".join(repr(s) for s, used in USES.items() if name in used)
-            raise ValueError(
-                f"{name}={value!r} has no effect with scaling={o.scaling!r}; "
-                f"it applies to scaling {users}"
-            )
-    if "original_max_seq_len" in USES[o.scaling] and o.original_max_seq_len is None:
-        raise ValueError(
-            f"scaling={o.scaling!r} needs original_max_seq_len (the pre-training context "
-            "length, Hugging Face's original_max_position_embeddings)"
-        )
-    if o.scaling == "llama3" and o.high_freq_factor <= o.low_freq_factor:
-        raise ValueError(
-            f"high_freq_factor ({o.high_freq_factor}) must exceed low_freq_factor "
-            f"({o.low_freq_factor})"
-        )
-    if o.scaling == "yarn":
-        if o.beta_fast < o.beta_slow:
-            raise ValueError(f"beta_fast ({o.beta_fast}) must be ≥ beta_slow ({o.beta_slow})")
-        if (o.mscale is None) != (o.mscale_all_dim is None):
-            raise ValueError(
-                "mscale and mscale_all_dim go together: yarn uses them for its attention "
-                "factor only when both are set"
-            )
-        if o.mscale is not None and o.attention_factor is not None:
-            raise ValueError(
-                "mscale and mscale_all_dim have no effect when attention_factor is set; "
-                "drop one or the other"
-            )
-    if o.scaling == "longrope":
-        if o.short_factor is None or o.long_factor is None:
-            raise ValueError(
-                "scaling='longrope' needs short_factor and long_factor (rot_dim/2 numbers each)"
-            )
-        if len(o.short_factor) != len(o.long_factor):
-            raise ValueError(
-                f"short_factor has {len(o.short_factor)} numbers but long_factor has "
-                f"{len(o.long_factor)}; each needs rot_dim/2"
-            )
-        if o.attention_factor is not None and o.scaling_factor != 1.0:
-            raise ValueError(
-                f"scaling_factor={o.scaling_factor} has no effect with scaling='longrope' and "
-                "attention_factor set: longrope uses it only to derive the attention factor"
-            )
-
+# Re-exported: the option checks moved beside the options.
+from llmkit.components.position.options import SCALING_OPTIONS as SCALING_OPTIONS
+from llmkit.components.position.options import USES as USES
+from llmkit.components.position.options import RotaryOptions
+from llmkit.components.position.options import check_scaling as check_scaling
 
 # -- frequencies ------------------------------------------------------------------------------
 

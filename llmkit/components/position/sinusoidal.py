@@ -9,18 +9,10 @@ from __future__ import annotations
 from typing import ClassVar
 
 import torch
-from pydantic import Field
 from torch import Tensor
 
-from llmkit.contracts import BuildContext, ComponentOptions, PositionalScheme
-
-
-class SinusoidalOptions(ComponentOptions):
-    """Options of the sinusoidal encoding."""
-
-    base: float = Field(
-        10000.0, gt=1.0, description="Wavelength base: frequencies are base^(−2i/d)."
-    )
+from llmkit.components.position.options import SinusoidalOptions
+from llmkit.contracts import BuildContext, PositionalScheme
 
 
 def sinusoidal_table(positions: Tensor, dim: int, base: float) -> Tensor:

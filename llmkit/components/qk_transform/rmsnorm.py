@@ -10,20 +10,12 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from pydantic import Field
 from torch import Tensor
 
-from llmkit.components.norm.rmsnorm import RMSNorm, RMSNormOptions
-from llmkit.contracts import BuildContext, ComponentOptions, QKTransform
-
-
-class QKRMSNormOptions(ComponentOptions):
-    """Options of the per-head q/k RMSNorm."""
-
-    eps: float = Field(1e-6, gt=0.0, description="Added to the mean square of q and k.")
-    offset: float = Field(
-        0.0, description="The gains are offset + weight (Gemma 3: 1, weights starting at 0)."
-    )
+from llmkit.components.norm.options import RMSNormOptions
+from llmkit.components.norm.rmsnorm import RMSNorm
+from llmkit.components.qk_transform.options import QKRMSNormOptions
+from llmkit.contracts import BuildContext, QKTransform
 
 
 class QKRMSNorm(QKTransform):

@@ -4,11 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from llmkit.optim import WarmupOptions, check_steps, linear_warmup
-
-
-class Options(WarmupOptions):
-    """Constant schedule options (no floor: the lr never decays)."""
+from llmkit.components.schedule.options import ConstantOptions as Options
+from llmkit.options import check_steps, linear_warmup
 
 
 def build(options: Options, *, total_steps: int, base_lr: float = 1.0) -> Callable[[int], float]:

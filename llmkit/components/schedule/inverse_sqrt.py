@@ -5,20 +5,8 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-from pydantic import Field
-
-from llmkit.optim import ScheduleOptions, check_steps, linear_warmup
-
-
-class Options(ScheduleOptions):
-    """Inverse-sqrt schedule options."""
-
-    min_lr_ratio: float = Field(
-        0.0, ge=0.0, le=1.0, description="Floor of the lr as a fraction of the base lr"
-    )
-    timescale: int | None = Field(
-        None, gt=0, description="Decay timescale in steps (None: warmup_steps, or 1)"
-    )
+from llmkit.components.schedule.options import InverseSqrtOptions as Options
+from llmkit.options import check_steps, linear_warmup
 
 
 def build(options: Options, *, total_steps: int, base_lr: float = 1.0) -> Callable[[int], float]:

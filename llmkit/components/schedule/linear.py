@@ -5,11 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from llmkit.components.schedule import warmup_then_decay
-from llmkit.optim import ScheduleOptions
-
-
-class Options(ScheduleOptions):
-    """Linear-decay schedule options."""
+from llmkit.components.schedule.options import LinearOptions as Options
 
 
 def build(options: Options, *, total_steps: int, base_lr: float = 1.0) -> Callable[[int], float]:

@@ -3,33 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Literal
 
-from pydantic import Field
-
-from llmkit.optim import ScheduleOptions, check_steps, decay_curve, linear_warmup
-
-
-class Options(ScheduleOptions):
-    """WSD schedule options."""
-
-    decay_fraction: float = Field(
-        0.2, gt=0.0, le=1.0, description="Fraction of total_steps spent in the final decay"
-    )
-    decay_shape: Literal["linear", "cosine", "sqrt"] = Field(
-        "linear", description="Decay curve: linear, cosine, or 1−√(progress) (sqrt)"
-    )
-
-    def stable_end(self, max_steps: int) -> int:
-        """Where the decay of a run of ``max_steps`` steps starts (:func:`stable_end`)."""
-        return stable_end(max_steps, self.decay_fraction)
-
-
-def stable_end(total_steps: int, decay_fraction: float) -> int:
-    """The last step of the stable phase: the decay takes the last
-    ``max(1, round(decay_fraction · total_steps))`` steps. A shorter run branched off a
-    longer one's stable phase there is that shorter run exactly (``branch_budgets``)."""
-    return total_steps - max(1, round(decay_fraction * total_steps))
+from llmkit.components.schedule.options import WSDOptions as Options
+from llmkit.components.schedule.options import stable_end as stable_end
+from llmkit.options import check_steps, decay_curve, linear_warmup
 
 
 def build(options: Options, *, total_steps: int, base_lr: float = 1.0) -> Callable[[int], float]:
