@@ -19,14 +19,24 @@ A template directory:
   attribute registered; default: the class), ``test_imports`` (extra names the tests import
   from :mod:`llmkit.testing`), ``[values]`` (text for placeholders, which may itself use the
   placeholders below) and ``[capabilities]`` (registered with the component).
+- An options module (optional): a template whose package has ``options.py`` (the file
+  ``$pkg/options.py.tmpl``) keeps the component's pydantic options there, as the class
+  ``$options_cls``, in a module that imports no torch. The component is then registered with
+  ``options="<pkg>.options:<class>"``, so ``llmkit validate``, ``show`` and ``schema`` check
+  specs without importing the component module (or torch), and the generated tests check
+  that the module stays torch-free. Every llmkit template has one; without it, llmkit finds
+  ``Options`` on the registered target.
 
 Placeholders: ``dist``, ``pkg``, ``ep``, ``kind``, ``component``, ``module``, ``cls``,
-``target`` (``"pkg.module:attr"``), ``summary``, ``capabilities`` (the ``register`` argument,
-or empty), ``dependencies`` (a TOML array: llmkit, and the kind's provider if it is a plugin),
-``needs`` (a Python list of the entry points to load for the kind), ``testing_imports``,
-``spec_example`` (TOML choosing the component where the kind's section is), ``extra_tests``,
-``kind_summary``, ``kind_build``, ``kind_contract`` (from the kind's record),
-and every key of ``[values]``.
+``target`` (``"pkg.module:attr"``), ``options_cls`` (the options class: ``<Component>Options``),
+``summary``, ``capabilities`` (the ``register`` argument, or empty), ``options`` (the
+``register`` argument naming the options module, or empty without one), ``options_doc``,
+``options_tests`` and ``options_readme`` (text about it for the hook module's docstring, the
+tests and the README, or what fits a template without one), ``dependencies`` (a TOML array:
+llmkit, and the kind's provider if it is a plugin), ``needs`` (a Python list of the entry
+points to load for the kind), ``testing_imports``, ``spec_example`` (TOML choosing the
+component where the kind's section is), ``extra_tests``, ``kind_summary``, ``kind_build``,
+``kind_contract`` (from the kind's record), and every key of ``[values]``.
 
 Nothing here imports torch: ``llmkit plugin new`` stays fast.
 """
@@ -54,6 +64,9 @@ SKELETON = "llmkit.scaffold:templates/skeleton"
 GENERIC = "llmkit.scaffold:templates/generic"
 MANIFEST = "template.toml"
 _MANIFEST_KEYS = {"class_suffix", "target_attr", "test_imports", "values", "capabilities"}
+#: The torch-free module of a generated package that holds the component's options (when the
+#: kind's template ships ``$pkg/options.py.tmpl``).
+OPTIONS_MODULE = "options"
 
 _DIST_RE = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9])?$")
 _COMPONENT_RE = re.compile(r"^[a-z][a-z0-9_]*$")
@@ -72,6 +85,10 @@ class PluginNames:
     module: str  # foo                          (llmkit_foo/foo.py)
     cls: str  # FooFFN                          (the component's class, or the optimizer's)
     target: str  # llmkit_foo.foo:FooFFN        (what register_components names)
+    options_cls: str = ""  # FooOptions         (the component's options class)
+    #: llmkit_foo.options:FooOptions (registered as its options), or None: the template has no
+    #: options module, and llmkit finds ``Options`` on the target.
+    options: str | None = None
 
 
 @dataclass
@@ -85,6 +102,14 @@ class KindTemplate:
     test_imports: list[str] = field(default_factory=list)
     values: dict[str, str] = field(default_factory=dict)
     capabilities: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def has_options_module(self) -> bool:
+        """Whether the template writes ``$pkg/options.py``, the component's options module."""
+        package = self.root.joinpath("$pkg")
+        return any(
+            package.joinpath(f"{OPTIONS_MODULE}.py{suffix}").is_file() for suffix in ("", ".tmpl")
+        )
 
 
 def _registry(registry: Registry | None) -> Registry:
@@ -184,9 +209,21 @@ def plugin_names(
             f"component name {comp!r}: use lowercase letters, digits and '_', starting with a "
             "letter (set it with --component)"
         )
-    cls = "".join(part.capitalize() for part in comp.split("_") if part) + template.class_suffix
+    camel = "".join(part.capitalize() for part in comp.split("_") if part)
+    cls = camel + template.class_suffix
     target = f"{package}.{comp}:{template.target_attr or cls}"
-    return PluginNames(name, package, entry_point, kind, comp, comp, cls, target)
+    options_cls = f"{camel}Options" if f"{camel}Options" != cls else f"{cls}Options"
+    options = None
+    if template.has_options_module:
+        if comp == OPTIONS_MODULE:
+            raise LlmkitError(
+                f"component name {comp!r} is the name of the plugin's options module "
+                f"({package}.{OPTIONS_MODULE}); choose another name with --component"
+            )
+        options = f"{package}.{OPTIONS_MODULE}:{options_cls}"
+    return PluginNames(
+        name, package, entry_point, kind, comp, comp, cls, target, options_cls, options
+    )
 
 
 def _py(value: Any) -> str:
@@ -208,6 +245,56 @@ def _capabilities(capabilities: dict[str, Any]) -> str:
         return ""
     lines = "".join(f'\n            "{k}": {_py(v)},' for k, v in capabilities.items())
     return f"\n        capabilities={{{lines}\n        }},"
+
+
+_OPTIONS_TEST = '''
+
+def test_the_options_module_imports_no_torch():
+    """`llmkit validate`, `show` and `schema` read the options from the module registered as
+    the component's `options`, without importing the component: keep that module torch-free."""
+    import os
+    import subprocess
+    import sys
+
+    options = plugin_registry().get(KIND, COMPONENT).options
+    assert isinstance(options, str), "register the component with options='module:Class'"
+    module = options.partition(":")[0]
+    code = f"import sys, {module}; assert 'torch' not in sys.modules, 'it imports torch'"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *sys.path])}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, proc.stderr
+'''
+
+
+def _options(names: PluginNames) -> dict[str, str]:
+    """The placeholders about the options module: ``options`` (the ``options=`` argument of
+    the generated ``register`` call), ``options_doc`` (the hook module's docstring),
+    ``options_tests`` (a test that the module imports no torch) and ``options_readme`` (the
+    README's line on the modules). Without an options module, no argument and no test."""
+    if names.options is None:
+        readme = (
+            "- `$pkg/$module.py` holds the component and its pydantic `Options` (unknown keys "
+            "are\n  rejected, so a misspelled option in a spec is an error)."
+        )
+        return {"options": "", "options_doc": "", "options_tests": "", "options_readme": readme}
+    doc = (
+        "\nSo is its options model, in a module that imports no torch: ``llmkit validate``, "
+        "``show``\nand ``schema`` check specs without importing the component."
+    )
+    readme = (
+        "- `$pkg/$module.py` holds the component.\n"
+        "- `$pkg/options.py` holds its pydantic options, `$options_cls` (unknown keys are\n"
+        "  rejected, so a misspelled option in a spec is an error). It imports no torch and is\n"
+        "  registered as the component's `options`, so `llmkit validate`, `show` and `schema`\n"
+        "  check specs without importing the component or torch (about 0.2 s instead of 1.3 s\n"
+        "  or more); a test keeps it torch-free."
+    )
+    return {
+        "options": f'\n        options="{names.options}",',
+        "options_doc": doc,
+        "options_tests": _OPTIONS_TEST,
+        "options_readme": readme,
+    }
 
 
 def _spec_example(kind: Kind) -> str:
@@ -276,7 +363,9 @@ def render(names: PluginNames, registry: Registry | None = None) -> dict[str, st
         "cls": names.cls,
         "target": names.target,
         "summary": f"A {names.kind} component (a starting point)",
+        "options_cls": names.options_cls,
         "capabilities": _capabilities(template.capabilities),
+        **_options(names),
         "dependencies": _py(deps),
         "needs": _py(needs),
         "testing_imports": ", ".join(sorted(testing)),

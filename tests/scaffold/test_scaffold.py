@@ -86,9 +86,12 @@ def test_names_are_derived_from_the_distribution_name():
         "foo_bar",
     )
     assert n.cls == "FooBarFFN" and n.target == "llmkit_foo_bar.foo_bar:FooBarFFN"
+    assert n.options_cls == "FooBarOptions"
+    assert n.options == "llmkit_foo_bar.options:FooBarOptions"
     n = plugin_names("My.Plugin", "optimizer", component="fancy_sgd")
     assert (n.package, n.entry_point, n.component) == ("my_plugin", "my_plugin", "fancy_sgd")
     assert n.target == "my_plugin.fancy_sgd:build"
+    assert n.options == "my_plugin.options:FancySgdOptions"
     for bad, match in [
         ("llmkit", "reserved"),
         ("llmkit-builtin", "reserved"),
@@ -100,6 +103,8 @@ def test_names_are_derived_from_the_distribution_name():
             plugin_names(bad)
     with pytest.raises(LlmkitError, match="component name 'Bad-Name'"):
         plugin_names("llmkit-x", component="Bad-Name")
+    with pytest.raises(LlmkitError, match=r"'options' is the name of the plugin's options module"):
+        plugin_names("llmkit-x", component="options")
     with pytest.raises(
         LlmkitError, match="unknown kind 'loss'; kinds with a plugin template: adapter, att"
     ):
@@ -117,6 +122,7 @@ def test_the_generated_pyproject_declares_the_entry_point(kind):
         "README.md",
         f"llmkit_my_{kind}/__init__.py",
         f"llmkit_my_{kind}/my_{kind}.py",
+        f"llmkit_my_{kind}/options.py",
         f"tests/test_llmkit_my_{kind}.py",
     ]
     meta = tomllib.loads(files["pyproject.toml"])
@@ -124,6 +130,16 @@ def test_the_generated_pyproject_declares_the_entry_point(kind):
     assert meta["project"]["entry-points"]["llmkit"] == {f"my_{kind}": f"llmkit_my_{kind}"}
     assert meta["project"]["dependencies"] == ["llmkit>=0.1"]
     assert f'"{names.target}"' in files[f"llmkit_my_{kind}/__init__.py"]
+    # The options live in a torch-free module, registered as the component's options.
+    assert f'options="{names.options}",' in files[f"llmkit_my_{kind}/__init__.py"]
+    assert f"class {names.options_cls}(" in files[f"llmkit_my_{kind}/options.py"]
+    tree = ast.parse(files[f"llmkit_my_{kind}/options.py"])
+    imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    imported |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    assert imported <= {"__future__", "llmkit", "pydantic"}, imported
+    assert (
+        "def test_the_options_module_imports_no_torch" in files[f"tests/test_llmkit_my_{kind}.py"]
+    )
     for text in files.values():
         assert "$" not in text.replace("$LLMKIT", "")  # every placeholder filled
 
@@ -164,10 +180,11 @@ def test_every_kind_generates_a_package_that_passes_its_own_tests(tmp_path, caps
         LLMKIT_PLUGINS="",
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
-    # four tests each, and a model test for the kinds whose template adds one; the logger
-    # kind has no spec section (its spec test skips) and its template adds two
+    # five tests each (one that the options module imports no torch), and a model test for
+    # the kinds whose template adds one; the logger kind has no spec section (its spec test
+    # skips) and its template adds two
     with_model_test = {"attention", "ffn", "norm", "position", "logger"}
-    assert f"{sum(5 if k in with_model_test else 4 for k in GENERATED)} passed" in proc.stdout
+    assert f"{sum(6 if k in with_model_test else 5 for k in GENERATED)} passed" in proc.stdout
 
 
 def test_a_generated_package_builds_installs_and_joins_llmkit(tmp_path, capsys, monkeypatch):
@@ -202,8 +219,21 @@ def test_a_generated_package_builds_installs_and_joins_llmkit(tmp_path, capsys, 
         check_component(get_registry().get("ffn", "tiny_gelu"))
     finally:
         reset_registry()
-        sys.modules.pop("llmkit_tiny_gelu", None)
-        sys.modules.pop("llmkit_tiny_gelu.tiny_gelu", None)
+        for name in ("llmkit_tiny_gelu", "llmkit_tiny_gelu.tiny_gelu", "llmkit_tiny_gelu.options"):
+            sys.modules.pop(name, None)
+    # Its options come from its torch-free options module: commands that need no model
+    # (validate, show, schema) import no torch with it installed.
+    code = (
+        "import sys\nfrom llmkit.cli import main\n"
+        "assert main(['show', 'ffn', 'tiny_gelu']) == 0 and main(['schema']) == 0\n"
+        "heavy = [m for m in ('torch', 'triton', 'datasets') if m in sys.modules]\n"
+        "assert not heavy, heavy\n"
+    )
+    proc = _run(
+        [sys.executable, "-c", code], ROOT, PYTHONPATH=str(site), LLMKIT_PLUGINS="tiny_gelu"
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "provider: llmkit-tiny-gelu 0.1.0" in proc.stdout and "multiplier" in proc.stdout
 
 
 def test_plugin_new_refuses_what_cannot_work(tmp_path, capsys):
@@ -355,6 +385,11 @@ def test_a_kind_with_a_template_gets_plugin_new(widgetkit, tmp_path, capsys):
     assert "class BlueWidget:" in read["llmkit_blue/blue.py"]
     init = read["llmkit_blue/__init__.py"]
     assert 'summary="A widget that shines"' in init
+    # No options module in the template: llmkit finds the options on the target.
+    assert (
+        "options=" not in init
+        and "test_the_options_module" not in read["tests/test_llmkit_blue.py"]
+    )
     assert '"shiny": True,' in init and '"colours": ["blue", "green"],' in init
     meta = tomllib.loads(read["pyproject.toml"])
     assert meta["project"]["dependencies"] == ["llmkit>=0.1", "llmkit-widgets>=0.3.0"]

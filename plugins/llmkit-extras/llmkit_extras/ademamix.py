@@ -26,10 +26,10 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
-from pydantic import Field, model_validator
 from torch import Tensor, nn
 
-from llmkit import Beta, OptimizerOptions, param_groups_for, set_initial_lr
+from llmkit import param_groups_for, set_initial_lr
+from llmkit_extras.options import AdEMAMixOptions as Options
 
 
 def alpha_at(step: int, alpha: float, warmup: int | None) -> float:
@@ -116,30 +116,6 @@ class AdEMAMix(torch.optim.Optimizer):
                     update.add_(p, alpha=wd)
                 p.add_(update, alpha=-lr)
         return loss
-
-
-class Options(OptimizerOptions):
-    """AdEMAMix options. The paper's LLM runs: betas (0.9, 0.999, 0.9999), alpha 5-10,
-    alpha_beta3_warmup = the run's length, and the same lr and weight decay as AdamW."""
-
-    betas: tuple[Beta, Beta, Beta] = Field(
-        (0.9, 0.999, 0.9999),
-        description="(β1 fast EMA, β2 second moment, β3 slow EMA)",
-    )
-    alpha: float = Field(5.0, ge=0.0, description="Weight of the slow EMA in the update")
-    alpha_beta3_warmup: int | None = Field(
-        None,
-        ge=1,
-        description="Steps over which α rises from 0 and β3 from β1 (the paper: the whole run; "
-        "set it to train.max_steps); unset = no warmup",
-    )
-    eps: float = Field(1e-8, gt=0, description="Denominator epsilon")
-
-    @model_validator(mode="after")
-    def _warmup_needs_beta1(self) -> Options:
-        if self.alpha_beta3_warmup is not None and self.betas[0] <= 0.0:
-            raise ValueError("alpha_beta3_warmup needs β1 > 0 (β3 warms up from β1)")
-        return self
 
 
 def build(model: nn.Module, options: Options) -> torch.optim.Optimizer:

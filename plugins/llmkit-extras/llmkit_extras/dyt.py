@@ -14,19 +14,10 @@ as a hyperparameter (a per-layer override can set different values).
 from __future__ import annotations
 
 import torch
-from pydantic import Field
 from torch import Tensor, nn
 
-from llmkit import BuildContext, ComponentOptions
-
-
-class DyTOptions(ComponentOptions):
-    """Options of Dynamic Tanh."""
-
-    alpha_init: float = Field(0.5, gt=0.0, description="Initial value of the learned scalar α.")
-    bias: bool | None = Field(
-        None, description="Learn the additive bias; unset follows the model's bias setting."
-    )
+from llmkit import BuildContext
+from llmkit_extras.options import DyTOptions
 
 
 class DynamicTanh(nn.Module):

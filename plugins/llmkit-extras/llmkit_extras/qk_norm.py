@@ -18,28 +18,12 @@ already normalized.
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
 import torch.nn.functional as F
-from pydantic import Field
 from torch import Tensor, nn
 
-from llmkit import BuildContext, ComponentOptions, QKTransform
-
-
-class QKNormOptions(ComponentOptions):
-    """Options of QK-norm."""
-
-    gain: Literal["vector", "scalar", "none"] = Field(
-        "vector",
-        description="Learned gain after normalizing: vector (one per head dimension, shared "
-        "by the heads, as OLMo 2, Qwen3 and Gemma 3), scalar (one number) or none.",
-    )
-    shared: bool = Field(
-        False, description="One gain for q and k instead of one each (with a gain)."
-    )
-    eps: float = Field(1e-6, gt=0.0, description="Added to the mean square of q and k.")
+from llmkit import BuildContext, QKTransform
+from llmkit_extras.options import QKNormOptions
 
 
 def rms_normalize(x: Tensor, gain: Tensor | None, eps: float) -> Tensor:

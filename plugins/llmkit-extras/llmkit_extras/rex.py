@@ -14,17 +14,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from pydantic import Field
-
-from llmkit import ScheduleOptions, check_steps, linear_warmup
-
-
-class Options(ScheduleOptions):
-    """REX schedule options."""
-
-    min_lr_ratio: float = Field(
-        0.0, ge=0.0, le=1.0, description="Final lr as a fraction of the base lr"
-    )
+from llmkit import check_steps, linear_warmup
+from llmkit_extras.options import RexOptions as Options
 
 
 def rex(progress: float) -> float:

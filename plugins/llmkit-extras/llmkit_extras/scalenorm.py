@@ -11,19 +11,10 @@ from __future__ import annotations
 import math
 
 import torch
-from pydantic import Field
 from torch import Tensor, nn
 
-from llmkit import BuildContext, ComponentOptions
-
-
-class ScaleNormOptions(ComponentOptions):
-    """Options of ScaleNorm."""
-
-    eps: float = Field(1e-5, gt=0.0, description="Lower bound of the norm ‖x‖ (no division by 0).")
-    scale_init: float | None = Field(
-        None, gt=0.0, description="Initial g; unset = √d as in the paper."
-    )
+from llmkit import BuildContext
+from llmkit_extras.options import ScaleNormOptions
 
 
 class ScaleNorm(nn.Module):

@@ -19,7 +19,9 @@ They are listed and documented like every component (``llmkit list loss``, ``llm
 loss z_loss``) and checked by llmkit's conformance suite with the check the kind declares
 (:func:`llmkit_losses.conformance.check_loss`).
 
-This module imports neither torch nor the components: targets are lazy ``"module:attr"``.
+This module imports neither torch nor the components: targets are lazy ``"module:attr"``, and
+so are the options models, in the torch-free :mod:`llmkit_losses.options`, so ``llmkit
+validate``, ``show`` and ``schema`` check a spec's ``train.loss`` without importing torch.
 """
 
 from __future__ import annotations
@@ -53,18 +55,21 @@ def register_components(register: Callable[..., Any]) -> None:
         "cross_entropy",
         "llmkit_losses.cross_entropy:CrossEntropy",
         summary="Mean token cross-entropy (negative log-likelihood of the targets)",
+        options="llmkit_losses.options:CrossEntropyOptions",
     )
     register(
         KIND,
         "label_smoothing",
         "llmkit_losses.label_smoothing:LabelSmoothing",
         summary="Cross-entropy against targets smoothed towards uniform (Szegedy et al. 2016)",
+        options="llmkit_losses.options:LabelSmoothingOptions",
     )
     register(
         KIND,
         "z_loss",
         "llmkit_losses.z_loss:ZLoss",
         summary="Cross-entropy plus weight·log²Z, keeping the softmax normalizer near 1 (PaLM)",
+        options="llmkit_losses.options:ZLossOptions",
     )
 
 

@@ -1,11 +1,12 @@
 """The contract of the ``loss`` kind, and helpers its components share.
 
 A loss is an ``nn.Module`` built as ``Loss(options)`` from its pydantic ``Options`` (extra
-keys forbidden). ``forward(logits, targets)`` takes logits (..., V) in any float dtype and
-integer targets (...) of the same leading shape, and returns a 0-dim float32 tensor: the mean
-over every target that is not ``options.ignore_index`` (so it does not depend on the batch
-size; 0 with a zero gradient when every target is ignored). Logits at ignored positions do
-not affect it. It may report metrics through llmkit's ``SideOutputs``
+keys forbidden; a subclass of :class:`~llmkit_losses.options.LossOptions`, kept in the
+torch-free :mod:`llmkit_losses.options`). ``forward(logits, targets)`` takes logits (..., V) in
+any float dtype and integer targets (...) of the same leading shape, and returns a 0-dim float32
+tensor: the mean over every target that is not ``options.ignore_index`` (so it does not depend
+on the batch size; 0 with a zero gradient when every target is ignored). Logits at ignored
+positions do not affect it. It may report metrics through llmkit's ``SideOutputs``
 (``self.report_metric``), e.g. the parts of a composite objective.
 
 The kind's conformance check is :func:`llmkit_losses.conformance.check_loss`, named in its
@@ -15,20 +16,12 @@ The kind's conformance check is :func:`llmkit_losses.conformance.check_loss`, na
 from __future__ import annotations
 
 import torch
-from pydantic import Field
 from torch import Tensor, nn
 
-from llmkit import ComponentOptions, SideOutputs
+from llmkit import SideOutputs
+from llmkit_losses.options import IGNORE_INDEX, LossOptions
 
-IGNORE_INDEX = -100
-
-
-class LossOptions(ComponentOptions):
-    """Options every loss shares."""
-
-    ignore_index: int = Field(
-        IGNORE_INDEX, description="Targets with this value are left out (padding, prompts)."
-    )
+__all__ = ["IGNORE_INDEX", "Loss", "LossOptions", "flatten", "masked_mean"]
 
 
 class Loss(SideOutputs, nn.Module):

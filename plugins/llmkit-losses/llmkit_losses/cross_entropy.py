@@ -6,11 +6,8 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import Tensor
 
-from llmkit_losses.base import Loss, LossOptions, flatten, masked_mean
-
-
-class Options(LossOptions):
-    """Options of the cross-entropy loss."""
+from llmkit_losses.base import Loss, flatten, masked_mean
+from llmkit_losses.options import CrossEntropyOptions as Options
 
 
 class CrossEntropy(Loss):

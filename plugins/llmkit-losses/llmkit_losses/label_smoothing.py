@@ -5,18 +5,10 @@ discourages over-confident logits. Equal to ``F.cross_entropy(..., label_smoothi
 from __future__ import annotations
 
 import torch
-from pydantic import Field
 from torch import Tensor
 
-from llmkit_losses.base import Loss, LossOptions, flatten, masked_mean
-
-
-class Options(LossOptions):
-    """Options of the label-smoothing loss."""
-
-    smoothing: float = Field(
-        0.1, ge=0.0, lt=1.0, description="ε: the probability mass spread uniformly."
-    )
+from llmkit_losses.base import Loss, flatten, masked_mean
+from llmkit_losses.options import LabelSmoothingOptions as Options
 
 
 class LabelSmoothing(Loss):

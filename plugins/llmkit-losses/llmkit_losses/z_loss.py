@@ -10,16 +10,10 @@ weighted term), so a training loop can log both parts.
 from __future__ import annotations
 
 import torch
-from pydantic import Field
 from torch import Tensor
 
-from llmkit_losses.base import Loss, LossOptions, flatten, masked_mean
-
-
-class Options(LossOptions):
-    """Options of the z-loss objective."""
-
-    weight: float = Field(1e-4, ge=0.0, description="Coefficient of log²Z (PaLM: 1e-4).")
+from llmkit_losses.base import Loss, flatten, masked_mean
+from llmkit_losses.options import ZLossOptions as Options
 
 
 class ZLoss(Loss):
