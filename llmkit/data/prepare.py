@@ -222,7 +222,9 @@ def _tokenizer(
         return iter_chat_texts(splits.get()["train"], seed, chat, tok_spec)
 
     if store is None or tok_spec.path or out.exists():  # nothing to train: nothing to share
-        return build_tokenizer(tok_spec, texts, out, spec.model.vocab_size, log=log)
+        return build_tokenizer(
+            tok_spec, texts, out, spec.model.vocab_size, log=log, source=rs.source
+        )
     tok_dict = tok_spec.model_dump(mode="json")
     recipe = recipe_key(source_options, seed, files, tok_dict, spec.model.vocab_size)
     kept = store.tokenizer(recipe)
@@ -230,7 +232,12 @@ def _tokenizer(
         run_dir.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(kept, out)
     tokenizer = build_tokenizer(
-        tok_spec, texts, out, spec.model.vocab_size, log=log if kept is None else None
+        tok_spec,
+        texts,
+        out,
+        spec.model.vocab_size,
+        log=log if kept is None else None,
+        source=rs.source,
     )
     if kept is None:
         _keep(log, store.keep_tokenizer, recipe, out)

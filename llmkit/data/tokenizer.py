@@ -6,6 +6,11 @@ objects saved as a single ``tokenizer.json``.
 * :func:`train_char` — one id per character seen in the corpus, sorted, so the ids match
   nanoGPT's ``stoi`` (special tokens come after the characters; ``<unk>`` last).
 * :func:`build_tokenizer` — what a run does: use a given file, reuse the run's file, or train.
+* :func:`encode_long` — any text in bounded memory: ``tokenizers`` holds ≈ 200–400 bytes
+  per character of one call's text, so a long text is cut into pieces of
+  :data:`CHUNK_CHARS` (:func:`split_text`) and encoded at most :data:`BATCH_CHARS` at a
+  time into one ``int32`` array. :meth:`Tokenizer.encode` and :meth:`Tokenizer.encode_batch`
+  use it for texts over :data:`CHUNK_CHARS`.
 
 A tokenizer may carry a chat template (:meth:`Tokenizer.apply_chat_template`), saved beside
 ``tokenizer.json`` as a Hugging Face ``tokenizer_config.json`` (``chat_template``; its
@@ -15,13 +20,15 @@ A tokenizer may carry a chat template (:meth:`Tokenizer.apply_chat_template`), s
 from __future__ import annotations
 
 import json
+import re
 import sys
+import unicodedata
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from llmkit.errors import LlmkitError, first_line
-from llmkit.files import write_text_atomic
+from llmkit.files import read_json, write_text_atomic
 
 if TYPE_CHECKING:
     import numpy as np
@@ -35,6 +42,11 @@ UNK = "<unk>"
 CONFIG_FILE = "tokenizer_config.json"
 #: The smallest byte-level BPE vocabulary: one token per byte.
 N_BYTES = 256
+#: The longest text handed to ``tokenizers`` in one piece (characters): a longer one is cut
+#: (:func:`split_text`), so one piece costs at most ≈ 25 MB inside ``tokenizers``.
+CHUNK_CHARS = 1 << 16
+#: The most characters handed to ``tokenizers`` in one (parallel) batch call.
+BATCH_CHARS = 8 * CHUNK_CHARS
 
 
 class Tokenizer:
@@ -64,18 +76,43 @@ class Tokenizer:
         self.chat_template = chat_template
         self.end_of_turn = end_of_turn
         self.bos_token = bos_token
+        self._template_from: tuple[str, str] | None = None  # (template, the file it is from)
 
     # -- encoding ----------------------------------------------------------------------
 
     def encode(self, text: str) -> list[int]:
-        """Token ids of ``text``."""
+        """Token ids of ``text``; one longer than :data:`CHUNK_CHARS` in pieces
+        (:func:`encode_long`), the same ids for llmkit's tokenizers."""
+        if len(text) > CHUNK_CHARS:
+            return encode_long(self, text).tolist()
         return self.tok.encode(text, add_special_tokens=False).ids
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        """Token ids of each text (in parallel, on the Rust side)."""
+        """Token ids of each text (in parallel, on the Rust side), at most
+        :data:`BATCH_CHARS` characters per call; a text longer than :data:`CHUNK_CHARS` in
+        pieces (:func:`encode_long`)."""
+        out: list[list[int]] = [[] for _ in texts]
+        group: list[int] = []
+        size = 0
+        for i, text in enumerate(texts):
+            if len(text) > CHUNK_CHARS:
+                out[i] = encode_long(self, text).tolist()
+                continue
+            if group and size + len(text) > BATCH_CHARS:
+                self._encode_into(out, texts, group)
+                group, size = [], 0
+            group.append(i)
+            size += len(text)
+        self._encode_into(out, texts, group)
+        return out
+
+    def _encode_into(self, out: list[list[int]], texts: Sequence[str], which: list[int]) -> None:
+        if not which:
+            return
         fast = getattr(self.tok, "encode_batch_fast", None)  # no offsets: cheaper
-        encs = (fast or self.tok.encode_batch)(list(texts), add_special_tokens=False)
-        return [e.ids for e in encs]
+        encs = (fast or self.tok.encode_batch)([texts[i] for i in which], add_special_tokens=False)
+        for i, enc in zip(which, encs):
+            out[i] = enc.ids
 
     def char_table(self) -> CharTable | None:
         """A char tokenizer's vocabulary as a lookup table (:class:`CharTable`); None for
@@ -84,8 +121,11 @@ class Tokenizer:
         if self.kind != "char" or unk is None:
             return None
         vocab = self.tok.get_vocab(with_added_tokens=True)
-        specials = [t.content for t in self.tok.get_added_tokens_decoder().values()]
-        return CharTable(vocab, unk, specials)
+        return CharTable(vocab, unk, self.added_texts())
+
+    def added_texts(self) -> list[str]:
+        """The texts of the added (special) tokens, which the tokenizer matches first."""
+        return [t.content for t in self.tok.get_added_tokens_decoder().values()]
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         """The text of ``ids``."""
@@ -129,7 +169,13 @@ class Tokenizer:
         """How many of ``ids`` are the unknown token: for a char tokenizer, the characters
         of the encoded text that are not in its vocabulary."""
         unk = self.unk_id
-        return 0 if unk is None else sum(1 for i in ids if int(i) == unk)
+        if unk is None:
+            return 0
+        if hasattr(ids, "dtype"):  # an array (encode_long): no Python loop over it
+            import numpy as np
+
+            return int(np.count_nonzero(np.asarray(ids) == unk))
+        return sum(1 for i in ids if int(i) == unk)
 
     def unknown_note(self, ids: Iterable[int], where: str) -> str | None:
         """A one-line note saying how much of the text encoded as ``ids`` (described by
@@ -163,6 +209,14 @@ class Tokenizer:
         """The ids a chat reply stops at: the end of turn and the EOS."""
         return sorted({i for i in (self.end_of_turn_id, self.eos_id) if i is not None})
 
+    @property
+    def template_source(self) -> str:
+        """Where the chat template came from, for errors: its ``tokenizer_config.json``
+        while it is the template read from there."""
+        if self._template_from is not None and self._template_from[0] == self.chat_template:
+            return self._template_from[1]
+        return "chat template"
+
     def template_tokens(self) -> dict[str, str | None]:
         """The special-token variables a chat template is rendered with: ``eos_token`` is
         the end of turn (as in Hugging Face configs), ``pad_token`` the EOS."""
@@ -195,6 +249,7 @@ class Tokenizer:
             check_messages(messages),
             add_generation_prompt=add_generation_prompt,
             tokens=self.template_tokens(),
+            source=self.template_source,
         )
         return self.encode(text) if tokenize else text
 
@@ -257,8 +312,12 @@ class Tokenizer:
             tok = HFTokenizer.from_file(str(p))
         except Exception as exc:
             raise LlmkitError(f"{p}: not a valid tokenizer.json ({first_line(exc)})") from exc
-        template, end, bos = read_config(p.parent / CONFIG_FILE)
-        return cls(tok, kind, eos_token, chat_template=template, end_of_turn=end, bos_token=bos)
+        config = p.parent / CONFIG_FILE
+        template, end, bos = read_config(config)
+        out = cls(tok, kind, eos_token, chat_template=template, end_of_turn=end, bos_token=bos)
+        if template:
+            out._template_from = (template, f"{config}: chat_template")
+        return out
 
     def __repr__(self) -> str:
         return f"Tokenizer(kind={self.kind!r}, vocab_size={self.vocab_size}, eos_id={self.eos_id})"
@@ -274,10 +333,7 @@ def read_json_object(path: Path) -> dict[str, Any] | None:
     when it is not JSON or not an object."""
     if not path.is_file():
         return None
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise LlmkitError(f"{path}: not a valid JSON file ({first_line(exc)})") from exc
+    data = read_json(path)  # one line for bad, deeply nested or non-UTF-8 JSON
     if not isinstance(data, dict):
         raise LlmkitError(f"{path}: expected a JSON object")
     return data
@@ -339,6 +395,119 @@ class CharTable:
         return ids
 
 
+# -- long texts -----------------------------------------------------------------------------
+
+#: Where :func:`split_text` cuts: before a space that follows a non-space, else before any
+#: whitespace that follows a letter or digit. No piece of GPT-2's or Llama 3's byte-level
+#: pre-tokenizer regex, of Metaspace (SentencePiece), WordPiece or a char tokenizer spans
+#: such a point (a piece holding whitespace starts with it or is all whitespace; Llama 3's
+#: punctuation takes the newlines after it, never a space), so the ids are those of one call.
+_CUTS = (re.compile(r"(?<=\S) "), re.compile(r"(?<=[^\W_])\s"))
+
+
+def split_text(
+    text: str, chunk_chars: int = CHUNK_CHARS, keep: Sequence[str] = ()
+) -> Iterator[str]:
+    """``text`` as consecutive pieces of at most ``chunk_chars`` characters (all of it,
+    nothing for an empty text). Each piece but the last ends in its second half right
+    before a space after a non-space, else before whitespace after a letter or digit (see
+    ``_CUTS``); a piece with neither is cut where it runs out, off a combining mark and
+    ``\r\n``. No cut falls inside one of ``keep`` (the special tokens' texts)."""
+    if chunk_chars < 2:
+        raise ValueError(f"chunk_chars must be at least 2, got {chunk_chars}")
+    start, n = 0, len(text)
+    while n - start > chunk_chars:
+        end = start + chunk_chars
+        cut = _soft_cut(text, start + chunk_chars // 2, end) or _hard_cut(text, start, end)
+        cut = _clear_of(text, cut, start, keep)
+        yield text[start:cut]
+        start = cut
+    if start < n:
+        yield text[start:]
+
+
+def _soft_cut(text: str, lo: int, hi: int) -> int | None:
+    """The last cut point of ``_CUTS`` (the first pattern that has one) in ``[lo, hi)``,
+    searched back from ``hi`` in growing windows."""
+    for pattern in _CUTS:
+        top, width = hi, 512
+        while top > lo:
+            bottom = max(lo, top - width)
+            found = None
+            for found in pattern.finditer(text, bottom, top):  # noqa: B007 (the last one)
+                pass
+            if found is not None:
+                return found.start()
+            top, width = bottom, width * 8
+    return None
+
+
+def _hard_cut(text: str, start: int, end: int) -> int:
+    cut = end
+    while (
+        cut > start + 1
+        and cut > end - 32
+        and (unicodedata.category(text[cut])[0] == "M" or text[cut - 1 : cut + 1] == "\r\n")
+    ):
+        cut -= 1
+    return cut
+
+
+def _clear_of(text: str, cut: int, start: int, keep: Sequence[str]) -> int:
+    """``cut`` moved before (or, at ``start``, after) any of ``keep`` it falls inside."""
+    for token in sorted((t for t in keep if len(t) > 1), key=len, reverse=True):
+        i = text.find(token, max(start, cut - len(token) + 1), cut + len(token) - 1)
+        if i != -1 and i < cut:
+            cut = i if i > start else i + len(token)
+    return cut
+
+
+def encode_long(tokenizer: Any, text: str, chunk_chars: int = CHUNK_CHARS) -> np.ndarray:
+    """The token ids of ``text`` as an ``int32`` array, in bounded memory whatever its
+    length: cut by :func:`split_text` (never inside a special token), encoded at most
+    :data:`BATCH_CHARS` characters per ``encode_batch`` call (a char tokenizer's by its
+    :class:`CharTable`), the pieces' ids joined. For llmkit's tokenizers (byte-level BPE,
+    char) and the usual imported pre-tokenizers the ids equal one ``encode`` call's
+    (tests/data/test_bounded_tokenize.py); a tokenizer that looks past whitespace (one
+    without a pre-tokenizer, a ``Prepend`` normalizer) may differ at a cut. ``tokenizer``:
+    a :class:`Tokenizer`, or anything with ``encode`` (and maybe ``encode_batch``)."""
+    import numpy as np
+
+    if len(text) <= chunk_chars:
+        return np.asarray(tokenizer.encode(text), dtype=np.int32)
+    added = getattr(tokenizer, "added_texts", None)
+    table = tokenizer.char_table() if hasattr(tokenizer, "char_table") else None
+    batch = getattr(tokenizer, "encode_batch", None)
+    if batch is None:
+
+        def batch(texts: list[str]) -> list[list[int]]:
+            return [tokenizer.encode(t) for t in texts]
+
+    parts: list[np.ndarray] = []
+    group: list[str] = []
+    size = 0
+
+    def flush() -> None:
+        parts.extend(np.asarray(ids, dtype=np.int32) for ids in batch(group))
+        group.clear()
+
+    for piece in split_text(text, chunk_chars, added() if added else ()):
+        fast = table.encode(piece) if table is not None else None
+        if fast is not None:
+            if group:
+                flush()
+            parts.append(fast.astype(np.int32, copy=False))
+            continue
+        if group and size + len(piece) > BATCH_CHARS:
+            flush()
+            size = 0
+        group.append(piece)
+        size += len(piece)
+    if group:
+        flush()
+    return np.concatenate(parts) if parts else np.zeros(0, np.int32)
+
+
 def _infer_kind(tok: tokenizers.Tokenizer) -> Kind:
     data = json.loads(tok.to_str())
     model = (data.get("model") or {}).get("type")
@@ -380,12 +549,7 @@ def train_bpe(
     from tokenizers import decoders, models, pre_tokenizers, trainers
 
     specials = _dedupe(special_tokens)
-    least = N_BYTES + len(specials)
-    if vocab_size < least:
-        raise LlmkitError(
-            f"tokenizer.vocab_size {vocab_size} is too small for byte-level BPE: it needs at "
-            f"least {least} (256 bytes + {len(specials)} special tokens)"
-        )
+    check_bpe_vocab(vocab_size, specials)
     tok = HFTokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -398,6 +562,22 @@ def train_bpe(
     )
     tok.train_from_iterator(_nonempty(texts), trainer=trainer)
     return Tokenizer(tok, "bpe", specials[0] if specials else None)
+
+
+def check_bpe_vocab(vocab_size: int, special_tokens: Sequence[str], where: str = "") -> None:
+    """Refuse a byte-level BPE vocabulary without room for every byte and special token, in
+    one line naming ``where`` (the spec file and key, ``tokenizer.vocab_size`` by default)
+    and the minimum."""
+    specials = _dedupe(special_tokens)
+    least = N_BYTES + len(specials)
+    if vocab_size >= least:
+        return
+    names = ", ".join(specials) if len(specials) <= 6 else f"{', '.join(specials[:6])}, …"
+    raise LlmkitError(
+        f"{where or 'tokenizer.vocab_size'}: {vocab_size} is too small for byte-level BPE: it "
+        f"needs at least {least} ({N_BYTES} bytes + {len(specials)} special tokens"
+        f"{': ' + names if specials else ''})"
+    )
 
 
 def train_char(
@@ -432,10 +612,12 @@ def build_tokenizer(
     default_vocab: int,
     *,
     log: Callable[[str], None] | None = None,
+    source: str | None = None,
 ) -> Tokenizer:
     """The run's tokenizer: ``spec.path`` if given (copied to ``out_path``); else
     ``out_path`` if it exists (a resumed run); else trained on at most ``spec.train_bytes``
-    of ``texts()`` and saved to ``out_path``."""
+    of ``texts()`` and saved to ``out_path``. A BPE vocabulary too small to train is refused
+    before any text is read, naming ``source`` (the spec file) and the key it came from."""
     say = log or (lambda _msg: None)
     eos = spec.special_tokens[0] if spec.special_tokens else None
     if spec.path:
@@ -454,11 +636,14 @@ def build_tokenizer(
             )
         say(f"tokenizer: reusing {out} ({tok.vocab_size} tokens)")
         return tok
+    vocab = spec.vocab_size or default_vocab
+    if spec.kind != "char":
+        key = "tokenizer.vocab_size" if spec.vocab_size else "model.vocab_size"
+        check_bpe_vocab(vocab, spec.special_tokens, f"{source}: {key}" if source else key)
     sample = take_bytes(texts(), spec.train_bytes)
     if spec.kind == "char":
         tok = train_char(sample, spec.special_tokens)
     else:
-        vocab = spec.vocab_size or default_vocab
         tok = train_bpe(sample, vocab, spec.special_tokens, spec.min_frequency)
     tok.save(out)
     say(f"tokenizer: trained {tok.kind}, {tok.vocab_size} tokens -> {out}")

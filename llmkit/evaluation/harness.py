@@ -228,10 +228,12 @@ class LlmkitLM(LM):
         """The log-probability of each request's whole text, every token scored once from
         the document start (the tokenizer's EOS) in windows of ``max_length``; an empty text
         scores 0, as in lm-eval."""
+        from llmkit.data.tokenizer import encode_long
+
         out = []
         for req in requests:
-            ids = self.tokenizer.encode(str(req.args[0]))
-            logprob = self.scorer.rolling(ids).logprob if ids else 0.0
+            ids = encode_long(self.tokenizer, str(req.args[0]))  # any length, int32 ids
+            logprob = self.scorer.rolling(ids).logprob if len(ids) else 0.0
             self.cache_hook.add_partial("loglikelihood_rolling", req.args, logprob)
             out.append(logprob)
         return out
@@ -314,7 +316,9 @@ class LlmkitLM(LM):
     def _prompt(self, context: str, keep: int) -> list[int]:
         """The last ``keep`` token ids of ``context`` (empty: the generator starts it from
         the EOS)."""
-        ids = self.tokenizer.encode(context) if context else []
+        from llmkit.data.tokenizer import encode_long
+
+        ids = encode_long(self.tokenizer, context).tolist() if context else []
         return ids[-keep:]
 
 

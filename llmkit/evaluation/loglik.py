@@ -21,9 +21,12 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from llmkit.data.tokenizer import encode_long
 
 #: A context shared by at least this many requests goes through the KV cache.
 SHARED_CONTEXT_MIN = 2
@@ -85,18 +88,22 @@ class LoglikScorer:
             )
         return int(eos)
 
+    def _encode(self, text: str) -> list[int]:
+        """The ids of ``text``, a long one encoded in pieces (:func:`encode_long`)."""
+        return encode_long(self.tokenizer, text).tolist()
+
     def encode_pair(self, context: str, continuation: str) -> TokenRequest:
         """The ids of a text pair, split at the context as lm-eval-harness splits them."""
         if not continuation:
             raise ValueError("an empty continuation has nothing to score")
         if not context:
-            return TokenRequest((self.prefix_id,), tuple(self.tokenizer.encode(continuation)))
+            return TokenRequest((self.prefix_id,), tuple(self._encode(continuation)))
         stripped = context.rstrip()
         if len(stripped) < len(context):
             continuation = context[len(stripped) :] + continuation
             context = stripped
-        whole = self.tokenizer.encode(context + continuation)
-        ctx = self.tokenizer.encode(context)
+        whole = self._encode(context + continuation)
+        ctx = self._encode(context)
         cont = whole[len(ctx) :]
         if not cont:
             raise ValueError(f"the continuation {continuation!r} encodes to no tokens")
@@ -118,10 +125,11 @@ class LoglikScorer:
         ``loglikelihood_rolling``); ``greedy`` says whether greedy decoding reproduces it."""
         from llmkit.evaluation.perplexity import sliding_batches
 
-        ids = self.tokenizer.encode(text) if isinstance(text, str) else [int(i) for i in text]
-        if not ids:
+        ids = encode_long(self.tokenizer, text) if isinstance(text, str) else text
+        if not len(ids):
             raise ValueError("an empty text has nothing to score")
-        tokens = torch.tensor([self.prefix_id, *ids], dtype=torch.long)
+        body = np.asarray(ids, dtype=np.int32)  # compact; the batches are int64
+        tokens = torch.from_numpy(np.concatenate([np.int32([self.prefix_id]), body]))
         stride = stride or self.max_length
         total, count, greedy = 0.0, 0, True
         was_training = self.model.training

@@ -153,13 +153,15 @@ def sliding_windows(n: int, context: int, stride: int) -> list[tuple[int, int, i
 def sliding_batches(
     tokens: Tensor, context: int, stride: int, batch_size: int
 ) -> Iterable[tuple[Tensor, Tensor]]:
-    """Batches of :func:`sliding_windows` over ``tokens`` (1-D): inputs (B, context) and
-    targets with -100 wherever a token is padding or was scored by an earlier window."""
+    """Batches of :func:`sliding_windows` over ``tokens`` (1-D, any integer dtype): int64
+    inputs (B, context) and targets with -100 wherever a token is padding or was scored by
+    an earlier window."""
     windows = sliding_windows(tokens.numel(), context, stride)
     for i in range(0, len(windows), batch_size):
         part = windows[i : i + batch_size]
-        x = tokens.new_zeros((len(part), context))
-        y = tokens.new_full((len(part), context), -100)
+        # int64 batches from any integer tokens (a long text's are kept as int32)
+        x = torch.zeros((len(part), context), dtype=torch.long, device=tokens.device)
+        y = torch.full((len(part), context), -100, dtype=torch.long, device=tokens.device)
         for b, (start, end, first) in enumerate(part):
             x[b, : end - start] = tokens[start:end]
             y[b, first - start : end - start] = tokens[first + 1 : end + 1]
@@ -257,7 +259,7 @@ def validation_text(run: Any) -> EvalText:
         val = prepared.validation
         if val.has_mask or val.layout != "packed":  # read later: the scratch stays till then
             return EvalText(val, None, None, "validation split (trained tokens)", scratch)
-        tokens = torch.from_numpy(val.array.astype("int64"))
+        tokens = torch.from_numpy(val.array.astype("int32"))  # batches are int64
         text = EvalText(tokens, val.n_bytes_text, None, "validation split")
     except BaseException:
         shutil.rmtree(scratch, ignore_errors=True)
@@ -286,7 +288,10 @@ def _link_files(src: Path, dst: Path) -> None:
 
 def file_text(run: Any, path: Path, what: str = "--data") -> EvalText:
     """A UTF-8 text file in the run's tokenizer; errors name the file as ``what``, and
-    characters the tokenizer does not know are logged as a note."""
+    characters the tokenizer does not know are logged as a note. Any size is read in
+    bounded memory beside the text: encoded in pieces (:func:`~llmkit.data.tokenizer.encode_long`)
+    into int32 ids, its bytes and words counted piece by piece."""
+    from llmkit.data.tokenizer import encode_long
     from llmkit.files import read_utf8
 
     if path.is_dir():
@@ -296,14 +301,27 @@ def file_text(run: Any, path: Path, what: str = "--data") -> EvalText:
     text = read_utf8(path)
     if not text:
         raise LlmkitError(f"{what}: {path} is empty")
-    ids = run.tokenizer.encode(text)
+    ids = encode_long(run.tokenizer, text)
     note = run.tokenizer.unknown_note(ids, str(path))
     if note:
         logging.getLogger("llmkit").info(f"{what}: {note}")
-    tokens = torch.tensor(ids, dtype=torch.long)
-    if tokens.numel() < 2:
+    if ids.size < 2:
         raise LlmkitError(f"{what}: {path} has fewer than 2 tokens")
-    return EvalText(tokens, len(text.encode("utf-8")), len(text.split()), str(path))
+    n_bytes, words = text_size(text)
+    return EvalText(torch.from_numpy(ids), n_bytes, words, str(path))
+
+
+def text_size(text: str, piece: int = 1 << 20) -> tuple[int, int]:
+    """UTF-8 bytes and whitespace-separated words of ``text`` (``len(text.split())``),
+    counted ``piece`` characters at a time, never a list of all its words."""
+    n_bytes = words = 0
+    joined = False  # whether the last piece ended inside a word
+    for start in range(0, len(text), piece):
+        part = text[start : start + piece]
+        n_bytes += len(part) if part.isascii() else len(part.encode("utf-8", "surrogatepass"))
+        words += len(part.split()) - (joined and not part[0].isspace())
+        joined = not part[-1].isspace()
+    return n_bytes, words
 
 
 def run_perplexity(

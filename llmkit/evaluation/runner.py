@@ -212,7 +212,7 @@ def weights_step(weights: Path, run_dir: Path) -> int:
     if weights.parent.name.startswith("step-") and meta.is_file():
         try:
             return int(json.loads(meta.read_text(encoding="utf-8"))["step"])
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, RecursionError):
             pass
     from llmkit.runs import METRICS_FILE
     from llmkit.runs.metrics import MetricsLog

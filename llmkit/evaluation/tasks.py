@@ -12,15 +12,22 @@ to score and the index of the right one. Three formats:
 
 Nothing is downloaded: a built-in format names the fields of the benchmark's usual JSONL
 release, and the user gives the file (``--task hellaswag=path/to/hellaswag_val.jsonl``).
+
+Task files are data from anywhere: a line longer than :data:`MAX_DOCUMENT_CHARS`, JSON
+nested too deeply, a field of the wrong type (``choices`` must be a list of strings) or an
+item longer than :data:`MAX_ITEM_CHARS` is refused in one line naming the file and line;
+templates render in llmkit's bounded sandbox (:func:`llmkit.data.chat.bounded_template`);
+a task's prompts may add up to :data:`MAX_TASK_CHARS`.
 """
 
 from __future__ import annotations
 
-import json
+import io
 import random
 import re
 import tomllib
-from collections.abc import Callable
+from array import array
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -28,8 +35,17 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from llmkit.errors import LlmkitError, validation_problems
+from llmkit.files import parse_json
 
 Format = Literal["multiple_choice", "partial", "completion"]
+#: The longest line (one document) of a task's JSONL file, in characters.
+MAX_DOCUMENT_CHARS = 4 * 2**20
+#: The most characters of one item's (context, continuation) pairs.
+MAX_ITEM_CHARS = 16 * 2**20
+#: The most documents a task evaluates (its items, their requests and scores live in memory).
+MAX_DOCUMENTS = 500_000
+#: The most characters of all a task's items (few-shot examples repeat in every prompt).
+MAX_TASK_CHARS = 64 * 2**20
 
 
 class TaskSpec(BaseModel):
@@ -90,16 +106,20 @@ class Item:
     choice_texts: tuple[str, ...]
     doc_index: int
 
+    def size(self) -> int:
+        """Characters of the item's texts (one shared context counted once)."""
+        return sum(len(s) for s in {id(s): s for pair in self.pairs for s in pair}.values())
+
 
 @dataclass
 class Task:
     """A task spec with its documents."""
 
     spec: TaskSpec
-    docs: list[dict[str, Any]]
-    fewshot_docs: list[dict[str, Any]] | None = None  # None: the task's own documents
+    docs: Sequence[dict[str, Any]]
+    fewshot_docs: Sequence[dict[str, Any]] | None = None  # None: the task's own documents
     source: Path | None = None
-    lines: list[int] | None = None  # each document's line in ``source`` (1-based)
+    lines: Sequence[int] | None = None  # each document's line in ``source`` (1-based)
 
     @property
     def name(self) -> str:
@@ -116,9 +136,15 @@ class Task:
         self, *, num_fewshot: int | None = None, seed: int = 1234, limit: int | None = None
     ) -> list[Item]:
         """The task's items (the first ``limit``), each prompt with ``num_fewshot`` examples
-        (default: the spec's) drawn with ``seed``: the same seed gives the same prompts."""
+        (default: the spec's) drawn with ``seed``: the same seed gives the same prompts. At
+        most :data:`MAX_DOCUMENTS` items, whose prompts hold at most :data:`MAX_TASK_CHARS`."""
         k = self.spec.num_fewshot if num_fewshot is None else num_fewshot
-        docs = self.docs[:limit] if limit else self.docs
+        n = min(limit, len(self.docs)) if limit else len(self.docs)
+        if n > MAX_DOCUMENTS:
+            raise LlmkitError(
+                f"task {self.name}: {n:,} documents, more than the limit of {MAX_DOCUMENTS:,} "
+                "(llmkit.evaluation.tasks.MAX_DOCUMENTS); evaluate fewer (--limit)"
+            )
         pool = self.fewshot_docs if self.fewshot_docs is not None else self.docs
         own = self.fewshot_docs is None
         if k and len(pool) - (1 if own else 0) < k:
@@ -127,27 +153,42 @@ class Task:
                 f"holds {len(pool)} documents"
             )
         render = Renderer(self.spec, where=self.where)
-        shots = [render.example(d) for d in pool] if k else []
+        shots: dict[int, str] = {}  # the solved examples drawn so far
+
+        def shot(j: int) -> str:
+            if j not in shots:
+                shots[j] = render.example(pool[j])
+            return shots[j]
+
         rng = random.Random(seed)
         out = []
-        for i, doc in enumerate(docs):
+        total = 0
+        for i in range(n):
+            doc = self.docs[i]
             prefix = self.spec.description
             if k:
                 drawn = rng.sample(range(len(pool)), k + (1 if own else 0))
                 picks = [j for j in drawn if not (own and j == i)][:k]
-                prefix += "".join(shots[j] + self.spec.fewshot_delimiter for j in picks)
-            out.append(render.item(doc, i, prefix))
+                prefix += "".join(shot(j) + self.spec.fewshot_delimiter for j in picks)
+            item = render.item(doc, i, prefix)
+            size = item.size()
+            if size > MAX_ITEM_CHARS:
+                raise LlmkitError(
+                    f"{self.where(i)}: its prompts hold {size:,} characters, more than the "
+                    f"limit of {MAX_ITEM_CHARS:,} (llmkit.evaluation.tasks.MAX_ITEM_CHARS)"
+                )
+            total += size
+            if total > MAX_TASK_CHARS:
+                raise LlmkitError(
+                    f"task {self.name}: its prompts hold more than {MAX_TASK_CHARS:,} "
+                    f"characters by {self.where(i)} (each repeats its {k} few-shot "
+                    "examples); evaluate fewer documents (--limit) or fewer shots"
+                )
+            out.append(item)
         return out
 
 
 # -- rendering --------------------------------------------------------------------------
-
-
-def _environment() -> Any:
-    from jinja2 import StrictUndefined
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    return ImmutableSandboxedEnvironment(undefined=StrictUndefined, keep_trailing_newline=True)
 
 
 def _hellaswag_text(text: str) -> str:
@@ -158,12 +199,42 @@ def _hellaswag_text(text: str) -> str:
 
 
 def _hellaswag(doc: dict[str, Any]) -> dict[str, Any]:
+    fields = ("ctx_a", "ctx_b") if "ctx_a" in doc else ("ctx",)
+    for name in (*fields, "activity_label"):
+        _typed(doc, name, str, "a string")
+    endings = _strings(_typed(doc, "endings", list, "a list of strings"), "endings")
     ctx = doc["ctx_a"] + " " + doc["ctx_b"].capitalize() if "ctx_a" in doc else doc["ctx"]
     return {
         **doc,
         "query": _hellaswag_text(doc["activity_label"] + ": " + ctx),
-        "endings": [_hellaswag_text(e) for e in doc["endings"]],
+        "endings": [_hellaswag_text(e) for e in endings],
     }
+
+
+def _typed(doc: dict[str, Any], name: str, kind: type, what: str) -> Any:
+    """Field ``name`` of ``doc``, which must be of ``kind`` (``what`` in the error)."""
+    value = _field(doc, name)
+    if not isinstance(value, kind):
+        raise ValueError(f"field {name!r} must be {what}, got {_json_type(value)}")
+    return value
+
+
+def _strings(values: list[Any], what: str) -> list[str]:
+    if not values:
+        raise ValueError(f"{what} field is an empty list")
+    for i, value in enumerate(values):
+        if not isinstance(value, str):
+            raise ValueError(
+                f"{what} field must be a list of strings; item {i} is {_json_type(value)}"
+            )
+    return values
+
+
+def _json_type(value: Any) -> str:
+    """What a JSON value is, for an error."""
+    names = {bool: "a boolean", int: "a number", float: "a number", str: "a string"}
+    names.update({list: "a list", dict: "an object", type(None): "null"})
+    return names.get(type(value), type(value).__name__)
 
 
 PREPROCESS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {"hellaswag": _hellaswag}
@@ -184,26 +255,44 @@ class Renderer:
     def __init__(self, spec: TaskSpec, where: Callable[[int], str] | None = None) -> None:
         self.spec = spec
         self.where = where or (lambda index: f"task {spec.name}, document {index + 1}")
-        env = _environment()
         self._cache: dict[str, Any] = {}
-        self._env = env
 
-    def _render(self, template: str, doc: dict[str, Any]) -> str:
-        t = self._cache.get(template)
-        if t is None:
-            t = self._cache[template] = self._env.from_string(template)
-        return t.render(**doc)
+    def _render(self, template: str, doc: dict[str, Any], what: str) -> str:
+        """``template`` (the spec's ``what``) rendered over ``doc`` in llmkit's bounded
+        sandbox; its errors as a ValueError naming ``what``."""
+        from jinja2 import StrictUndefined
+        from jinja2.exceptions import TemplateError
+
+        from llmkit.data.chat import bounded_template
+
+        try:
+            t = self._cache.get(template)
+            if t is None:
+                t = self._cache[template] = bounded_template(
+                    template, undefined=StrictUndefined, keep_trailing_newline=True
+                )
+            return t.render(**doc)
+        except TemplateError as exc:
+            raise ValueError(f"{what} template: {exc.message or type(exc).__name__}") from exc
+        except (ArithmeticError, LookupError, TypeError, ValueError, RecursionError) as exc:
+            raise ValueError(f"{what} template: {type(exc).__name__}: {exc}") from exc
 
     def _list(self, value: str | list[str], doc: dict[str, Any], what: str) -> list[str]:
+        """``what`` (choices or labels): the spec's templates rendered, or its field, a list
+        of strings (labels may be numbers)."""
         if isinstance(value, list):
-            return [self._render(t, doc) for t in value]
+            return [self._render(t, doc, f"{what}[{i}]") for i, t in enumerate(value)]
         found = _field(doc, value)
         if not isinstance(found, list) or not found:
-            raise ValueError(f"{what} field {value!r} is not a non-empty list")
-        return [str(x) for x in found]
+            raise ValueError(
+                f"{what} field {value!r} is not a non-empty list (got {_json_type(found)})"
+            )
+        if what == "labels":  # ARC's labels are strings, some releases' numbers
+            found = [str(x) if _json_type(x) == "a number" else x for x in found]
+        return _strings(found, f"{what} {value!r}")
 
     def _gold(self, doc: dict[str, Any], choices: list[str]) -> int:
-        raw = self._render(self.spec.gold, doc).strip()
+        raw = self._render(self.spec.gold, doc, "gold").strip()
         labels = self._list(self.spec.labels, doc, "labels") if self.spec.labels else None
         if labels and raw in labels:
             index = labels.index(raw)
@@ -227,18 +316,18 @@ class Renderer:
             doc = self._doc(doc)
             if spec.format == "completion":
                 assert spec.continuation is not None
-                target = self._render(spec.continuation, doc)
-                ctx = prefix + self._render(spec.context, doc)
+                target = self._render(spec.continuation, doc, "continuation")
+                ctx = prefix + self._render(spec.context, doc, "context")
                 return Item(((ctx, delim + target),), 0, (target,), index)
             assert spec.choices is not None
             choices = self._list(spec.choices, doc, "choices")
             gold = self._gold(doc, choices)
             if spec.format == "partial":
                 assert spec.continuation is not None
-                cont = delim + self._render(spec.continuation, doc)
+                cont = delim + self._render(spec.continuation, doc, "continuation")
                 pairs = tuple((prefix + c, cont) for c in choices)
             else:
-                ctx = prefix + self._render(spec.context, doc)
+                ctx = prefix + self._render(spec.context, doc, "context")
                 pairs = tuple((ctx, delim + c) for c in choices)
             return Item(pairs, gold, tuple(choices), index)
         except (KeyError, ValueError, TypeError, IndexError, AssertionError) as exc:
@@ -304,34 +393,61 @@ BUILTIN: dict[str, dict[str, Any]] = {
 # -- loading ----------------------------------------------------------------------------
 
 
-def read_jsonl(path: Path, what: str) -> list[dict[str, Any]]:
+def read_jsonl(path: Path, what: str) -> Documents:
     """The JSON objects of a JSONL file, one per non-blank line."""
     return read_jsonl_lines(path, what)[0]
 
 
-def read_jsonl_lines(path: Path, what: str) -> tuple[list[dict[str, Any]], list[int]]:
-    """The JSON objects of a JSONL file, one per non-blank line, and their line numbers."""
+class Documents(Sequence[dict[str, Any]]):
+    """A JSONL file's documents, kept as the text of their lines (one string, with offsets)
+    and parsed each time one is read: a parsed document may take many times the memory of
+    its text (``[[],[],…]``: 20×), a Python object per document 100 bytes or more."""
+
+    def __init__(self, text: str, offsets: array[int], numbers: array[int], where: str) -> None:
+        self._text, self._offsets, self.numbers, self._where = text, offsets, numbers, where
+
+    def __len__(self) -> int:
+        return len(self.numbers)
+
+    def __getitem__(self, index: Any) -> Any:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        i = index + len(self) if index < 0 else index
+        if not 0 <= i < len(self):
+            raise IndexError(index)
+        line = self._text[self._offsets[i] : self._offsets[i + 1]]
+        return parse_json(line, f"{self._where}:{self.numbers[i]}")
+
+
+def read_jsonl_lines(path: Path, what: str) -> tuple[Documents, Sequence[int]]:
+    """The JSON objects of a JSONL file, one per non-blank line (:class:`Documents`), and
+    their line numbers. A line longer than :data:`MAX_DOCUMENT_CHARS`, not JSON (or nested
+    too deeply) or not an object is a one-line error naming the file and line."""
     if not path.is_file():
         raise LlmkitError(f"{what}: file not found: {path}")
-    docs, lines = [], []
+    kept, offsets, numbers = io.StringIO(), array("q", [0]), array("I")
     with path.open(encoding="utf-8", errors="strict") as fh:
         try:
-            for n, line in enumerate(fh, 1):
+            n = 0
+            while line := fh.readline(MAX_DOCUMENT_CHARS + 1):  # a line, or that much of it
+                n += 1
+                if len(line) > MAX_DOCUMENT_CHARS:
+                    raise LlmkitError(
+                        f"{what}: {path}:{n}: a line longer than {MAX_DOCUMENT_CHARS:,} "
+                        "characters (llmkit.evaluation.tasks.MAX_DOCUMENT_CHARS)"
+                    )
                 if not line.strip():
                     continue
-                try:
-                    doc = json.loads(line)
-                except ValueError as exc:
-                    raise LlmkitError(f"{what}: {path} line {n} is not JSON: {exc}") from None
-                if not isinstance(doc, dict):
-                    raise LlmkitError(f"{what}: {path} line {n} is not a JSON object")
-                docs.append(doc)
-                lines.append(n)
+                if not isinstance(parse_json(line, f"{what}: {path}:{n}"), dict):
+                    raise LlmkitError(f"{what}: {path}:{n}: not a JSON object")
+                kept.write(line)
+                offsets.append(offsets[-1] + len(line))
+                numbers.append(n)
         except UnicodeDecodeError as exc:
             raise LlmkitError(f"{what}: {path} is not UTF-8 text ({exc.reason})") from None
-    if not docs:
+    if not numbers:
         raise LlmkitError(f"{what}: {path} holds no documents")
-    return docs, lines
+    return Documents(kept.getvalue(), offsets, numbers, f"{what}: {path}"), numbers
 
 
 def task_spec(data: dict[str, Any], where: str) -> TaskSpec:

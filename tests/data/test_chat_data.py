@@ -247,7 +247,7 @@ def test_hugging_face_config_forms(tmp_path: Path) -> None:
     tok.bos_token = "<s>"
     assert tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False) == "<s>hi"
     path.write_text("{oops")
-    with pytest.raises(LlmkitError, match=r"tokenizer_config\.json: not a valid JSON file"):
+    with pytest.raises(LlmkitError, match=r"tokenizer_config\.json: invalid JSON"):
         read_config(path)
 
 

@@ -129,7 +129,7 @@ def test_few_shot_examples_from_their_own_file(tmp_path):
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
-        ({"context": "{{ missing }}"}, r"document 1 \(yn.jsonl line 1\): 'missing' is undefined"),
+        ({"context": "{{ missing }}"}, r"line 1\): context template: 'missing' is undefined"),
         ({"gold": "{{ answer + 5 }}"}, r"document 1 \(yn.jsonl line 1\): gold index 5 is outside"),
         ({"gold": "maybe"}, "gold 'maybe' is neither an index, a label nor a choice"),
         ({"choices": "q"}, "choices field 'q' is not a non-empty list"),
@@ -150,7 +150,7 @@ def test_bad_task_references_are_one_line_errors(tmp_path):
         load_task(f"piqa={tmp_path / 'none.jsonl'}")
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"goal": "x"}\nnot json\n')
-    with pytest.raises(LlmkitError, match="line 2 is not JSON"):
+    with pytest.raises(LlmkitError, match=r"bad\.jsonl:2: invalid JSON"):
         load_task(f"piqa={bad}")
     spec = tmp_path / "t.toml"
     spec.write_text('data = "x.jsonl"\nchoices = "o"\nsurprise = 1\n')
