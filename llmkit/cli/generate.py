@@ -5,6 +5,7 @@ conversation read line by line."""
 from __future__ import annotations
 
 import argparse
+import codecs
 import dataclasses
 import json
 import logging
@@ -109,6 +110,8 @@ def sampling_from_args(args: argparse.Namespace) -> Any:
         early_stopping=not args.no_early_stopping,
     )
     try:
+        # beam search decodes without a temperature; a --temperature given is checked still
+        dataclasses.replace(sampling, temperature=args.temperature).validate()
         sampling.validate()
     except ValueError as exc:
         raise LlmkitError(str(exc)) from exc
@@ -124,21 +127,43 @@ def _stream_one(gen: Any, prompt: str, sampling: Any) -> Any:
 
 def _input_lines(banner: str, prompt: str) -> Iterator[str]:
     """Lines of stdin without their line end, until EOF or `exit`/`quit`; on a terminal
-    with ``banner`` first and ``prompt`` before each."""
+    with ``banner`` first and ``prompt`` before each. A line that is not UTF-8 ends the
+    command with a one-line error naming it."""
     tty = sys.stdin.isatty()
     if tty:
         sys.stderr.write(f"{banner}; `exit` or Ctrl-D ends\n")
+    number = 0
     while True:
         if tty:
             sys.stderr.write(prompt)
             sys.stderr.flush()
-        line = sys.stdin.readline()
+        number += 1
+        line = _read_line(number)
         if not line:
             return
-        text = line.rstrip("\r\n")
+        text = _text(line.rstrip("\r\n"), f"stdin line {number}")
         if text.strip() in ("exit", "quit"):
             return
         yield text
+
+
+def _read_line(number: int) -> str:
+    """Line ``number`` of stdin ('' at the end). Read as bytes and decoded here, one line at
+    a time (a text stream decodes a whole buffer at once: its error would name no line);
+    bytes that are not in stdin's encoding are a one-line error naming the line."""
+    buffer = getattr(sys.stdin, "buffer", None)
+    if buffer is None:  # a text stream without bytes underneath (io.StringIO)
+        return sys.stdin.readline()
+    raw = buffer.readline()
+    encoding = getattr(sys.stdin, "encoding", None) or "utf-8"
+    try:
+        return raw.decode(encoding)
+    except UnicodeDecodeError as exc:
+        name = "UTF-8" if codecs.lookup(encoding).name == "utf-8" else encoding
+        raise LlmkitError(
+            f"stdin line {number}: not valid {name} (byte 0x{raw[exc.start]:02x} at byte "
+            f"{exc.start}: {exc.reason})"
+        ) from None
 
 
 def note_unknown(tokenizer: Any, text: str, where: str) -> None:
@@ -241,11 +266,38 @@ def _chat(gen: Any, args: argparse.Namespace, sampling: Any, where: str) -> int:
     return 0
 
 
+def _text(text: str, where: str) -> str:
+    """``text`` when it is valid text; a one-line error naming ``where`` when it holds bytes
+    that are not UTF-8 (Python escapes them as lone surrogates in arguments, and in stdin
+    under the C locale)."""
+    from llmkit.inference.checks import text_problem
+
+    problem = text_problem(text)
+    if problem is not None:
+        raise LlmkitError(f"{where}: {problem}")
+    return text
+
+
+def _check_text_args(args: argparse.Namespace) -> None:
+    """Refuse ``--prompt``, ``--chat``, ``--system`` and ``--stop`` values that are not
+    valid UTF-8, before the run is loaded."""
+    prompts = args.prompt or []
+    for i, prompt in enumerate(prompts):
+        _text(prompt, f"--prompt {i + 1}" if len(prompts) > 1 else "--prompt")
+    for flag in ("chat", "system"):
+        value = getattr(args, flag)
+        if value:
+            _text(value, f"--{flag}")
+    for text in args.stop or ():
+        _text(text, "--stop")
+
+
 def run_generate(args: argparse.Namespace) -> int:
     from llmkit import hardware
     from llmkit.inference import Generator, prepare_for_decoding
     from llmkit.runs import load_run
 
+    _check_text_args(args)
     sampling = sampling_from_args(args)
     if args.chat is not None and (args.prompt or args.interactive):
         raise LlmkitError("--chat takes the place of --prompt and --interactive; use one")

@@ -27,10 +27,13 @@ The Python API::
 Modules: :mod:`~llmkit.inference.sampling` (settings, logits filters),
 :mod:`~llmkit.inference.streaming` (text as it is generated), :mod:`~llmkit.inference.decode`
 (the decoding loops), :mod:`~llmkit.inference.layout` (the CPU decoding weight layout),
+:mod:`~llmkit.inference.checks` (what is refused before decoding: invalid text, non-finite
+weights, a batch too large for the memory left),
 :mod:`~llmkit.inference.generator` (the entry points) and :mod:`~llmkit.inference.quantize`
 (int8 weights). This package re-exports the public API.
 """
 
+from llmkit.inference.checks import GenerationError
 from llmkit.inference.generator import Generator, generate_batch, generate_ids
 from llmkit.inference.layout import prepare_for_decoding
 from llmkit.inference.sampling import (
@@ -44,6 +47,7 @@ from llmkit.inference.streaming import IncrementalDecoder, TextStream, Tokenizer
 
 __all__ = [
     "FinishReason",
+    "GenerationError",
     "GenerationResult",
     "Generator",
     "IncrementalDecoder",

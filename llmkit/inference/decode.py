@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 from torch.nn.utils import parametrize
 
+from llmkit.inference.checks import GenerationError, check_memory
 from llmkit.inference.layout import fit_layout
 from llmkit.inference.sampling import (
     FinishReason,
@@ -187,21 +188,32 @@ def sample_steps(
     rows_index = torch.arange(b, device=device)
     for step in range(cfg.max_new_tokens):
         scores = logits.float()
+        # 2: the model's logits hold NaN; 1: the probabilities do not (an overflow). Read
+        # with the tokens (one transfer a step); a row's NaN never reaches torch.multinomial
+        # (which fails on the CPU and asserts on CUDA).
+        broken = scores.isnan().any(-1).long() * 2
         if seen is not None:
             scores = apply_repetition_penalty(scores, seen, cfg.repetition_penalty)
         if cfg.greedy:
             nxt = scores.argmax(-1)
         else:
             scores = filter_logits(scores / cfg.temperature, cfg.top_k, cfg.top_p, cfg.min_p)
-            nxt = torch.multinomial(scores.softmax(-1), 1, generator=gen).squeeze(-1)
+            probs = scores.softmax(-1)
+            bad = probs.isnan().any(-1, keepdim=True)
+            broken = torch.maximum(broken, bad.squeeze(-1).long())
+            probs = probs.masked_fill(bad, 1.0)
+            nxt = torch.multinomial(probs, 1, generator=gen).squeeze(-1)
         if not all(active):
             nxt = torch.where(torch.tensor(active, device=device), nxt, pad)
         if seen is not None:
             seen[rows_index, nxt] = True
-        tokens = nxt.tolist()
+        packed = torch.cat([nxt, broken]).tolist()
+        tokens, flags = packed[:b], packed[b:]
         for i, row in enumerate(rows):
             if not active[i]:
                 continue
+            if flags[i]:
+                raise _non_finite(step, i, flags[i] == 2, cfg)
             tok = tokens[i]
             row.ids.append(tok)
             if tok in eos:
@@ -217,6 +229,21 @@ def sample_steps(
         if row.reason is None:
             row.reason = "length"
     yield
+
+
+def _non_finite(step: int, row: int, logits: bool, cfg: Sampling) -> GenerationError:
+    """The error of a row whose next token cannot be chosen: NaN logits (the model's
+    weights or activations), or probabilities that overflowed (temperature)."""
+    where = f"step {step + 1}, prompt {row + 1}"
+    if logits:
+        return GenerationError(
+            f"the model's logits hold NaN ({where}): its weights or activations are not "
+            "finite (a diverged run, or an overflow in 16-bit precision)"
+        )
+    return GenerationError(
+        f"no finite sampling probabilities ({where}): the logits divided by temperature "
+        f"{cfg.temperature} overflow; use a larger temperature, or 0 for greedy decoding"
+    )
 
 
 def beam_search(model: Transformer, rows: list[Row], cfg: Sampling, pad_id: int) -> None:
@@ -282,6 +309,8 @@ def beam_search(model: Transformer, rows: list[Row], cfg: Sampling, pad_id: int)
                 next_tok += [pad_id] * k
                 next_score += [0.0] * k
                 continue
+            if any(s != s for s in top_scores_l[i]):  # NaN (topk ranks it first)
+                raise _non_finite(step, i, True, cfg)
             chosen = 0
             for rank, (score, flat) in enumerate(zip(top_scores_l[i], top_idx_l[i])):
                 if score == float("-inf"):
@@ -338,6 +367,21 @@ def beam_search(model: Transformer, rows: list[Row], cfg: Sampling, pad_id: int)
             row.ids, row.reason = [], "length"
 
 
+def _check_ids(rows: list[Row], pad_id: int, vocab: int) -> None:
+    """Refuse token ids outside the model's vocabulary (an embedding lookup would fail,
+    on CUDA with a device-side assert)."""
+    if not 0 <= pad_id < vocab:
+        raise GenerationError(f"pad_id {pad_id} is outside the vocabulary (0 to {vocab - 1})")
+    for i, row in enumerate(rows):
+        low, high = min(row.prompt), max(row.prompt)
+        if low < 0 or high >= vocab:
+            bad = low if low < 0 else high
+            raise GenerationError(
+                f"prompt {i + 1}: token id {bad} is outside the model's vocabulary "
+                f"(0 to {vocab - 1})"
+            )
+
+
 def start_decoding(
     model: Transformer,
     prompts: list[list[int]],
@@ -353,12 +397,17 @@ def start_decoding(
     row's text (streaming)."""
     cfg.validate()
     if cfg.stop and tokenizer is None:
-        raise ValueError("stop strings need a tokenizer")
+        raise GenerationError("stop strings need a tokenizer")
     if not prompts:
-        raise ValueError("no prompts")
+        raise GenerationError("no prompts")
     if any(len(p) == 0 for p in prompts):
-        raise ValueError("every prompt needs at least one token (e.g. a BOS or EOS id)")
+        raise GenerationError("every prompt needs at least one token (e.g. a BOS or EOS id)")
     rows = [Row(list(map(int, p))) for p in prompts]
+    _check_ids(rows, pad_id, model.config.vocab_size)
+    width = max(min(len(r.prompt), model.config.max_seq_len) for r in rows)
+    penalty = cfg.repetition_penalty != 1.0
+    beams = cfg.num_beams
+    check_memory(model, len(rows), beams, width, cfg.max_new_tokens, penalty, model_device(model))
     if tokenizer is not None and (track_text or cfg.stop):
         for row in rows:
             row.text = RowText(tokenizer, row.prompt, cfg.stop)

@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 from torch.nn.utils import parametrize
 
+from llmkit.inference.checks import GenerationError, check_text, check_weights
 from llmkit.inference.decode import start_decoding
 from llmkit.inference.layout import prepare_for_decoding
 from llmkit.inference.sampling import GenerationResult, Sampling
@@ -77,6 +78,9 @@ class Generator:
             model = load_run(model, device=str(device) if device else "cpu")
         if not isinstance(model, Transformer) and hasattr(model, "model"):  # a LoadedRun
             tokenizer = tokenizer if tokenizer is not None else model.tokenizer
+            # Weights read from files are checked once: NaN or infinity in one is named here
+            # (decoding would only see NaN logits); a model passed in is the caller's.
+            check_weights(model.model, getattr(model, "weights", None))
             model = model.model
         if device is not None:
             model = model.to(device)
@@ -106,7 +110,9 @@ class Generator:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("text prompts need a tokenizer; pass token ids instead")
-            ids = self.tokenizer.encode(prompt) if prompt else []
+            from llmkit.data.tokenizer import encode_long  # any length, in bounded pieces
+
+            ids = encode_long(self.tokenizer, prompt).tolist() if prompt else []
         else:
             ids = [int(i) for i in prompt]
         return ids or [self.pad_id]
@@ -120,6 +126,9 @@ class Generator:
         """Generate a continuation of each prompt (text or token ids), batched."""
         batch = _as_batch(prompts)
         cfg = self.sampling(sampling, **kwargs)
+        for i, p in enumerate(batch):
+            if isinstance(p, str):
+                check_text(p, f"prompt {i + 1}" if len(batch) > 1 else "the prompt")
         ids = [self.encode(p) for p in batch]
         return generate_batch(self.model, ids, cfg, self.tokenizer, self.pad_id)
 
@@ -127,7 +136,11 @@ class Generator:
         """The ids of ``messages`` in the tokenizer's chat template, ending with the
         assistant's turn opened; a ``ValueError`` when the tokenizer has no template."""
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError("the tokenizer has no chat template (tokenizer_config.json)")
+            raise GenerationError("the tokenizer has no chat template (tokenizer_config.json)")
+        for i, message in enumerate(messages):
+            for key, value in message.items():
+                if isinstance(value, str):
+                    check_text(value, f"message {i + 1} {key}")
         return list(self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True))
 
     def chat_sampling(self, sampling: Sampling | None = None, **kwargs: Any) -> Sampling:
@@ -152,10 +165,14 @@ class Generator:
     ) -> TextStream:
         """A :class:`TextStream` of one prompt's continuation (sampling only, not beams)."""
         if self.tokenizer is None:
-            raise ValueError("streaming text needs a tokenizer")
+            raise GenerationError("streaming text needs a tokenizer")
         cfg = self.sampling(sampling, **kwargs)
         if cfg.num_beams > 1:
-            raise ValueError("beam search cannot stream: the best beam is known only at the end")
+            raise GenerationError(
+                "beam search cannot stream: the best beam is known only at the end"
+            )
+        if isinstance(prompt, str):
+            check_text(prompt, "the prompt")
         rows, steps = start_decoding(
             self.model, [self.encode(prompt)], cfg, self.tokenizer, self.pad_id, True
         )

@@ -5,14 +5,48 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+import numbers
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
 from torch import Tensor
 
+from llmkit.inference.checks import GenerationError, text_problem
+
 FinishReason = Literal["eos", "stop", "length"]
+
+
+#: The most new tokens one generation may ask for: a million tokens is far past any context
+#: window llmkit trains, and every row keeps its ids (and beam search each beam's) in lists.
+MAX_NEW_TOKENS = 1_000_000
+#: The most beams: published beam search uses a handful (4 to 16), and each step's
+#: bookkeeping runs in Python per beam (the memory check comes on top, see
+#: :func:`~llmkit.inference.checks.check_memory`).
+MAX_NUM_BEAMS = 256
+
+
+def _integer(name: str, value: object, low: int | None = None, high: int | None = None) -> int:
+    """``value`` as an int in [low, high]; :class:`GenerationError` otherwise (a bool is not
+    a count)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise GenerationError(f"{name} must be an integer, got {value!r}")
+    n = int(value)
+    if (low is not None and n < low) or (high is not None and n > high):
+        bound = f"≥ {low}" if high is None else f"in [{low:,}, {high:,}]"
+        raise GenerationError(f"{name} must be {bound}, got {n}")
+    return n
+
+
+def _real(name: str, value: object) -> float:
+    """``value`` as a finite float; :class:`GenerationError` for another type, NaN or ±inf."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise GenerationError(f"{name} must be a number, got {value!r}")
+    x = float(value)
+    if not math.isfinite(x):
+        raise GenerationError(f"{name} must be a finite number, got {x}")
+    return x
 
 
 @dataclass
@@ -51,27 +85,44 @@ class Sampling:
         self.stop = tuple(self.stop)
 
     def validate(self) -> None:
-        """Raise ValueError for settings that make no sense."""
-        if self.max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be ≥ 0, got {self.max_new_tokens}")
-        if self.temperature < 0 or math.isnan(self.temperature):
-            raise ValueError(f"temperature must be ≥ 0 (0 = greedy), got {self.temperature}")
-        if self.top_k is not None and self.top_k < 1:
-            raise ValueError(f"top_k must be ≥ 1, got {self.top_k}")
-        if self.top_p is not None and not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.min_p is not None and not 0 <= self.min_p <= 1:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        if self.num_beams < 1:
-            raise ValueError(f"num_beams must be ≥ 1, got {self.num_beams}")
-        if any(not s for s in self.stop):
-            raise ValueError("stop strings must not be empty")
+        """Raise :class:`~llmkit.inference.checks.GenerationError` (a ``ValueError``) for
+        settings that make no sense or cannot run: a wrong type, NaN or infinity, a value
+        out of range, more than :data:`MAX_NEW_TOKENS` new tokens or :data:`MAX_NUM_BEAMS`
+        beams."""
+        _integer("max_new_tokens", self.max_new_tokens, 0, MAX_NEW_TOKENS)
+        temperature = _real("temperature", self.temperature)
+        if temperature < 0:
+            raise GenerationError(f"temperature must be ≥ 0 (0 = greedy), got {temperature}")
+        if self.top_k is not None:
+            _integer("top_k", self.top_k, 1)
+        if self.top_p is not None and not 0 < _real("top_p", self.top_p) <= 1:
+            raise GenerationError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.min_p is not None and not 0 <= _real("min_p", self.min_p) <= 1:
+            raise GenerationError(f"min_p must be in [0, 1], got {self.min_p}")
+        if _real("repetition_penalty", self.repetition_penalty) <= 0:
+            raise GenerationError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        _real("length_penalty", self.length_penalty)
+        if self.seed is not None:
+            _integer("seed", self.seed, -(2**63), 2**64 - 1)
+        _integer("num_beams", self.num_beams, 1, MAX_NUM_BEAMS)
+        if self.eos_id is not None:
+            ids = [self.eos_id] if isinstance(self.eos_id, numbers.Integral) else self.eos_id
+            if isinstance(ids, str | bytes) or not isinstance(ids, Collection):
+                raise GenerationError(f"eos_id must be a token id or ids, got {self.eos_id!r}")
+            for i in ids:
+                _integer("eos_id", i)  # any integer: one outside the vocabulary never ends
+        for s in self.stop:
+            if not isinstance(s, str):
+                raise GenerationError(f"stop strings must be text, got {s!r}")
+            if not s:
+                raise GenerationError("stop strings must not be empty")
+            problem = text_problem(s)
+            if problem is not None:
+                raise GenerationError(f"stop string {s!r}: {problem}")
         if self.num_beams > 1:
             used = [n for n in ("top_k", "top_p", "min_p") if getattr(self, n) is not None]
             if used:
-                raise ValueError(
+                raise GenerationError(
                     f"beam search is deterministic; {', '.join(used)} only apply to sampling "
                     "(num_beams = 1)"
                 )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import difflib
 import tomllib
+from collections.abc import Hashable
 from pathlib import Path
 from typing import Any
 
@@ -19,22 +20,25 @@ MAX_DEPTH = 32
 #: The most YAML nodes a document may expand to once its aliases are followed; anchors and
 #: aliases within it are fine, an alias bomb ("billion laughs") is refused while parsing.
 MAX_YAML_NODES = 100_000
+#: The largest spec file read: specs are a few kilobytes; a bigger file is a mistake (or a
+#: way to make parsing take minutes) and is refused before it is read.
+MAX_SPEC_BYTES = 16 * 2**20
+#: The longest ``extends`` chain (a file, its base, the base's base, ...).
+MAX_EXTENDS = 32
 
 
 def read_spec_file(path: str | Path) -> dict[str, Any]:
     """Parse a TOML or YAML file into a dict.
 
-    Refused, each in one line naming the file: invalid syntax (in the file's own format),
-    YAML duplicate keys, YAML aliases that expand past :data:`MAX_YAML_NODES` nodes, and
-    nesting deeper than :data:`MAX_DEPTH`.
+    Refused, each in one line naming the file: a path that is missing, a directory or not a
+    regular file, a file that cannot be read, is larger than :data:`MAX_SPEC_BYTES` or is not
+    UTF-8, invalid syntax (in the file's own format; values Python refuses too, such as an
+    integer of more than 4,300 digits or a date that does not exist), YAML duplicate keys,
+    YAML keys that are not strings, YAML aliases that expand past :data:`MAX_YAML_NODES`
+    nodes, and nesting deeper than :data:`MAX_DEPTH`.
     """
     p = Path(path)
-    if not p.is_file():
-        raise LlmkitError(f"spec file not found: {p}")
-    try:
-        text = p.read_text(encoding="utf-8-sig")  # a byte-order mark is allowed
-    except UnicodeDecodeError as exc:
-        raise LlmkitError(f"{p}: not UTF-8 text (byte {exc.start}: {exc.reason})") from exc
+    text = _read_text(p)
     suffix = p.suffix.lower()
     if suffix == ".toml":
         data = _parse_toml(text, p)
@@ -48,6 +52,28 @@ def read_spec_file(path: str | Path) -> dict[str, Any]:
     # A YAML alias is the same object as its anchor: copied apart, so that editing one
     # place (--set, a merge) never edits the others (the loader bounds the expansion).
     return _unshared(data) if suffix != ".toml" else data
+
+
+def _read_text(p: Path) -> str:
+    """The text of the spec file ``p`` (a byte-order mark is allowed); each refusal names
+    the file."""
+    if not p.exists():
+        raise LlmkitError(f"spec file not found: {p}")
+    if p.is_dir():
+        raise LlmkitError(f"{p}: is a directory, not a spec file")
+    if not p.is_file():
+        raise LlmkitError(f"{p}: not a regular file")
+    try:
+        with p.open("rb") as f:  # read at most one byte past the limit, whatever stat says
+            raw = f.read(MAX_SPEC_BYTES + 1)
+    except OSError as exc:
+        raise LlmkitError(f"{p}: cannot read the spec file: {exc.strerror or exc}") from exc
+    if len(raw) > MAX_SPEC_BYTES:
+        raise LlmkitError(f"{p}: larger than {MAX_SPEC_BYTES // 2**20} MiB; not a spec file")
+    try:
+        return raw.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise LlmkitError(f"{p}: not UTF-8 text (byte {exc.start}: {exc.reason})") from exc
 
 
 def _unshared(node: Any) -> Any:
@@ -66,6 +92,8 @@ def _parse_toml(text: str, p: Path) -> Any:
         raise LlmkitError(f"{p}: invalid TOML: {exc}") from exc
     except RecursionError as exc:
         raise LlmkitError(f"{p}: invalid TOML: nested more than {MAX_DEPTH} levels deep") from exc
+    except ValueError as exc:  # a value Python refuses (an integer of 4,300+ digits)
+        raise LlmkitError(f"{p}: invalid TOML: {_value_message(exc)}") from exc
 
 
 def _parse_yaml(text: str, p: Path) -> Any:
@@ -77,6 +105,16 @@ def _parse_yaml(text: str, p: Path) -> Any:
         raise LlmkitError(f"{p}: invalid YAML: nested more than {MAX_DEPTH} levels deep") from exc
     except yaml.YAMLError as exc:
         raise LlmkitError(f"{p}: invalid YAML: {_yaml_message(exc)}") from exc
+    except (ValueError, OverflowError) as exc:  # a value Python refuses: a date that does
+        # not exist, an integer of 4,300+ digits
+        raise LlmkitError(f"{p}: invalid YAML: {_value_message(exc)}") from exc
+
+
+def _value_message(exc: Exception) -> str:
+    """A value Python refuses to build, as one line."""
+    if "integer string conversion" in str(exc):
+        return "an integer of more than 4300 digits"
+    return first_line(exc, limit=200)
 
 
 def _yaml_message(exc: Exception) -> str:
@@ -89,17 +127,25 @@ def _yaml_message(exc: Exception) -> str:
 
 
 def _check_depth(data: Any, p: Path) -> None:
-    """Refuse nesting deeper than :data:`MAX_DEPTH` (iteratively: no recursion to exhaust)."""
-    stack: list[tuple[Any, int]] = [(data, 1)]
+    """Refuse nesting deeper than :data:`MAX_DEPTH`, naming the file ``p``."""
+    if _too_deep(data):
+        raise LlmkitError(f"{p}: nested more than {MAX_DEPTH} levels deep")
+
+
+def _too_deep(data: Any, depth: int = 1) -> bool:
+    """Whether ``data``, at ``depth``, nests deeper than :data:`MAX_DEPTH` (iteratively: no
+    recursion to exhaust)."""
+    stack: list[tuple[Any, int]] = [(data, depth)]
     seen: set[int] = set()
     while stack:
         node, depth = stack.pop()
         if depth > MAX_DEPTH:
-            raise LlmkitError(f"{p}: nested more than {MAX_DEPTH} levels deep")
+            return True
         if isinstance(node, dict | list) and id(node) not in seen:
             seen.add(id(node))  # a shared (aliased) table is walked once
             children = node.values() if isinstance(node, dict) else node
             stack.extend((c, depth + 1) for c in children)
+    return False
 
 
 _LOADER: type | None = None
@@ -157,11 +203,16 @@ def _spec_yaml_loader() -> type:
                     if key_node.tag == "tag:yaml.org,2002:merge":
                         continue  # `<<: *base` may be overridden by the keys beside it
                     key = self.construct_object(key_node, deep=deep)
+                    line = key_node.start_mark.line + 1
+                    if not isinstance(key, str) and isinstance(key, Hashable):
+                        raise yaml.YAMLError(
+                            f"key {key_node.value!r} at line {line} reads as "
+                            f"{type(key).__name__} {key!r}, not a string: quote it"
+                        )
                     try:
                         earlier = first.get(key)
                     except TypeError:
                         continue  # an unhashable key: the base class reports it
-                    line = key_node.start_mark.line + 1
                     if earlier is not None:
                         raise yaml.YAMLError(
                             f"duplicate key {key!r} at line {line} (first at line {earlier})"
@@ -214,11 +265,16 @@ def _other_component(table: dict[str, Any], name: Any, path: tuple[str, ...]) ->
 
 
 def load_raw(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
-    """Read a spec file and apply its ``extends`` chain."""
+    """Read a spec file and apply its ``extends`` chain (at most :data:`MAX_EXTENDS` files
+    long)."""
     p = Path(path).resolve()
     if p in _seen:
         chain = " -> ".join(str(s) for s in (*_seen, p))
         raise LlmkitError(f"circular extends: {chain}")
+    if len(_seen) >= MAX_EXTENDS:
+        raise LlmkitError(
+            f"{_seen[-1]}: extends: a chain of more than {MAX_EXTENDS} files (from {_seen[0]})"
+        )
     data = read_spec_file(p)
     parent = data.pop("extends", None)
     if parent is None:
@@ -226,8 +282,10 @@ def load_raw(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
     if not isinstance(parent, str):
         raise SpecError(["extends: must be a file path or a preset name"], str(path))
     candidate = p.parent / parent
+    if candidate.is_dir():
+        raise LlmkitError(f"{path}: extends: {candidate} is a directory, not a spec file")
     if candidate.suffix.lower() in (".toml", ".yaml", ".yml") or candidate.is_file():
-        if not candidate.is_file():
+        if not candidate.exists():
             raise LlmkitError(f"{path}: extends: file not found: {candidate}")
         base = load_raw(candidate, (*_seen, p))
     else:
@@ -251,6 +309,8 @@ def parse_value(text: str) -> Any:
         return text
     except RecursionError:
         raise LlmkitError(f"--set value nested too deeply: {text[:40]}...") from None
+    except ValueError as exc:  # a value Python refuses (an integer of 4,300+ digits)
+        raise LlmkitError(f"--set value {text[:40]}...: {_value_message(exc)}") from None
 
 
 def apply_override(data: dict[str, Any], assignment: str) -> None:
@@ -260,6 +320,8 @@ def apply_override(data: dict[str, Any], assignment: str) -> None:
     if not sep or not key:
         raise LlmkitError(f"--set {assignment!r}: expected KEY=VALUE, e.g. model.n_layers=4")
     parts = key.split(".")
+    if len(parts) > MAX_DEPTH:
+        raise LlmkitError(f"--set {key[:40]}…: nested more than {MAX_DEPTH} levels deep")
     node: Any = data
     for i, part in enumerate(parts[:-1]):
         if isinstance(node, list):
@@ -274,6 +336,8 @@ def apply_override(data: dict[str, Any], assignment: str) -> None:
         node = node.setdefault(part, {})
     last = parts[-1]
     value = parse_value(raw.strip())
+    if _too_deep(value, len(parts)):
+        raise LlmkitError(f"--set {key}: nested more than {MAX_DEPTH} levels deep")
     if isinstance(node, list):
         try:
             node[int(last)] = value

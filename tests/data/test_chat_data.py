@@ -536,3 +536,16 @@ def test_a_masked_packed_epoch_never_lacks_trained_blocks() -> None:
         _, y = sampler.next_batch(1)
         assert bool((y != -100).any())
     assert sampler.epoch >= 10
+
+
+@pytest.mark.parametrize("layout", ["jsonl", "array"])
+def test_a_deeply_nested_chat_file_is_one_line_naming_it(tmp_path, layout):
+    from llmkit.components.dataset.chat import read_records
+
+    deep = "[" * 100_000 + "]" * 100_000
+    path = tmp_path / f"chat.{'jsonl' if layout == 'jsonl' else 'json'}"
+    ok = '{"prompt": "a", "response": "b"}'
+    path.write_text(f"{ok}\n{deep}\n" if layout == "jsonl" else deep, encoding="utf-8")
+    where = f"{path}:2" if layout == "jsonl" else str(path)
+    with pytest.raises(LlmkitError, match=rf"^{where}: not valid JSON \(nested too deeply\)$"):
+        read_records(path)

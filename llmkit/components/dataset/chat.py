@@ -86,6 +86,8 @@ def read_records(path: Path) -> list[tuple[str, list[dict[str, str]]]]:
     if text.lstrip().startswith("["):  # one JSON array, unless it is JSON Lines of lists
         try:
             items = json.loads(text)
+        except RecursionError:
+            raise LlmkitError(f"{path}: not valid JSON (nested too deeply)") from None
         except json.JSONDecodeError as exc:
             if not _first_line_parses(text):
                 raise LlmkitError(f"{path}:{exc.lineno}: not valid JSON ({exc.msg})") from None
@@ -103,6 +105,8 @@ def read_records(path: Path) -> list[tuple[str, list[dict[str, str]]]]:
         where = f"{path}:{n}"
         try:
             record = json.loads(line)
+        except RecursionError:
+            raise LlmkitError(f"{where}: not valid JSON (nested too deeply)") from None
         except json.JSONDecodeError as exc:
             raise LlmkitError(f"{where}: not valid JSON ({exc.msg})") from None
         out.append((where, to_messages(record, where)))
@@ -112,7 +116,7 @@ def read_records(path: Path) -> list[tuple[str, list[dict[str, str]]]]:
 def _first_line_parses(text: str) -> bool:
     try:
         json.loads(text.lstrip().split("\n", 1)[0])
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):
         return False
     return True
 
