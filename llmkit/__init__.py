@@ -19,7 +19,7 @@ The public API is what ``__all__`` lists, imported as ``from llmkit import name`
 - specs and models: ``load_spec``, ``load_spec_dict``, ``resolve``, ``ResolvedSpec``,
   ``build_model``, ``Transformer``, ``ModelOutput``;
 - runs: ``train`` (a spec to a run directory), ``load_run`` (a run's model, tokenizer and
-  spec), ``Generator`` and ``Sampling`` (text generation);
+  spec), ``Generator``, ``Sampling`` and ``GenerationError`` (text generation);
 - the command line: ``cli_main(argv) -> exit code`` (what the ``llmkit`` script runs).
 
 One public module besides: :mod:`llmkit.testing`, the conformance suite plugin authors run in
@@ -56,7 +56,7 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and IDEs
         WeightAdapter,
     )
     from llmkit.errors import LlmkitError, PluginError, RegistryError, SpecError
-    from llmkit.inference import Generator, Sampling
+    from llmkit.inference import GenerationError, Generator, Sampling
     from llmkit.model import ModelOutput, Transformer, build_model
     from llmkit.ops import attention_mask, check_shapes, reference_attention, sdpa_attention
     from llmkit.optim import param_groups_for, set_initial_lr, set_lr_factor
@@ -131,6 +131,7 @@ _LAZY: dict[str, str] = {
     "build_model": "llmkit.model",
     "Generator": "llmkit.inference",
     "Sampling": "llmkit.inference",
+    "GenerationError": "llmkit.inference",
     "train": "llmkit.training",
     "load_run": "llmkit.runs",
     "cli_main": "llmkit.cli:main",
@@ -148,6 +149,7 @@ __all__ = [
     "Component",
     "ComponentOptions",
     "DistanceBias",
+    "GenerationError",
     "Generator",
     "Kind",
     "LlmkitError",

@@ -283,7 +283,12 @@ class TrainSpec(Strict):
     on_nonfinite: Literal["stop", "skip"] = Field(
         "stop", description="A non-finite loss stops the run, or the step is skipped."
     )
-    sample_tokens: int = Field(200, ge=0, description="Tokens of the sample printed at the end.")
+    sample_tokens: int = Field(
+        200,
+        ge=0,
+        le=1_000_000,  # llmkit.inference.sampling.MAX_NEW_TOKENS, which the sample obeys
+        description="Tokens of the sample printed at the end.",
+    )
     sample_prompt: str = Field("", description="Prompt of the sample printed at the end.")
     parallel: Literal["auto", "none", "ddp", "fsdp"] = Field(
         "auto",
