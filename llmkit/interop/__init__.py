@@ -8,6 +8,8 @@
 - :mod:`~llmkit.interop.family_common`: the helpers families share (never one another's);
 - :mod:`~llmkit.interop.mapping`: tensor rules; :mod:`~llmkit.interop.hf_files`: files;
 - :mod:`~llmkit.interop.hf_tokenizer`: tokenizer files both ways.
+- :mod:`~llmkit.interop.local_files`: what import may read of a checkpoint (files inside
+  it; JSON bounded in size and depth).
 - :mod:`~llmkit.interop.remote`: the remote-code export of what no family holds (the files
   of :mod:`~llmkit.interop.remote_code`, copied verbatim), and reading it back.
 """

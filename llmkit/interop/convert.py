@@ -13,10 +13,11 @@ back too.
 from __future__ import annotations
 
 import copy
+import fnmatch
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -24,8 +25,10 @@ from torch import nn
 from llmkit.errors import LlmkitError, first_line
 from llmkit.interop import hf_files, remote
 from llmkit.interop.family import Family, Refused
-from llmkit.interop.mapping import to_hf, to_llmkit
+from llmkit.interop.mapping import Rule, to_hf, to_llmkit
 from llmkit.spec import Resolved, ResolvedSpec, resolve
+
+T = TypeVar("T")
 
 
 def _families() -> tuple[Family, ...]:
@@ -129,9 +132,131 @@ def _fill(model: nn.Module, ours: dict[str, torch.Tensor]) -> None:
             p.copy_(ours[name])
 
 
+# -- checks on the headers, before any real allocation ---------------------------------------
+
+#: config.json keys that count layers and experts: each must be at most the number of
+#: tensors in the checkpoint (every layer, every expert has its own), checked before the
+#: family reads the config (whose loops run over them).
+LAYER_KEYS = ("num_hidden_layers", "n_layer", "n_layers", "num_layers")
+EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
+#: Elements the model may hold beyond the checkpoint's (a tied head, RoPE tables): at least
+#: this many (1 GiB in fp32), else as many as the checkpoint has.
+EXTRA_ELEMENTS = 1 << 28
+
+
+def _counts(cfg: dict[str, Any], keys: tuple[str, ...]) -> list[tuple[str, int]]:
+    """The integer values of ``keys`` in a config (booleans are not counts)."""
+    found = [(k, cfg.get(k)) for k in keys]
+    return [(k, v) for k, v in found if isinstance(v, int) and not isinstance(v, bool)]
+
+
+def _check_counts(where: Path, cfg: dict[str, Any], n_tensors: int) -> None:
+    """Layer and expert counts the checkpoint's tensors can hold (a config claiming a
+    billion layers is refused before anything loops over them): each at most the number of
+    tensors, and layers × experts at most four times it (a routed layer has ≥ 3 tensors per
+    expert)."""
+    layers, experts = _counts(cfg, LAYER_KEYS), _counts(cfg, EXPERT_KEYS)
+    for key, n in layers + experts:
+        if n > n_tensors:
+            raise LlmkitError(
+                f"{where}: {key} = {n}, but the checkpoint holds only {n_tensors} tensors"
+            )
+    most_layers = max((n for _, n in layers), default=1)
+    most_experts = max((n for _, n in experts), default=1)
+    if most_layers * max(most_experts, 1) > 4 * n_tensors:
+        raise LlmkitError(
+            f"{where}: {most_layers} layers of {most_experts} experts, but the checkpoint "
+            f"holds only {n_tensors} tensors"
+        )
+
+
+def _check_dtypes(infos: dict[str, hf_files.TensorInfo], ignore: tuple[str, ...]) -> None:
+    for name, info in infos.items():
+        if not info.floating and not _ignored(name, ignore):
+            raise LlmkitError(
+                f"{info.file}: tensor {name!r} is {info.dtype}, not a floating-point type "
+                "(a quantized checkpoint? llmkit imports float weights)"
+            )
+
+
+def _check_shapes(
+    rules: list[Rule],
+    infos: dict[str, hf_files.TensorInfo],
+    expected: dict[str, tuple[int, ...]],
+    ignore: tuple[str, ...],
+    tied: bool,
+) -> None:
+    """Every checkpoint tensor's shape against what the model (built on the meta device)
+    expects of it, through the family's rules run on meta tensors: no data, no memory. A
+    mismatch names the checkpoint tensor, the expected and the found shape."""
+    with torch.device("meta"):
+        for rule in rules:
+            want = expected.get(rule.ours)
+            if want is None:
+                raise LlmkitError(f"mapped tensor {rule.ours!r} is not in the model")
+            if not rule.theirs:
+                continue
+            try:  # the checkpoint shapes the model's would be stored as
+                parts = rule.split(torch.empty(want))
+            except (LlmkitError, *MALFORMED):
+                continue  # the joined shape is compared below
+            if len(parts) != len(rule.theirs):
+                continue
+            for name, part in zip(rule.theirs, parts, strict=True):
+                info = infos.get(name)
+                if info is not None and info.shape != tuple(part.shape):
+                    raise LlmkitError(
+                        f"{info.file}: tensor {name!r} has shape {info.shape}, the model "
+                        f"expects {tuple(part.shape)} (config.json does not fit the weights)"
+                    )
+        metas = {n: torch.empty(i.shape, dtype=torch.float32) for n, i in infos.items()}
+        try:
+            ours = to_llmkit(rules, metas, ignore=ignore)
+        except MALFORMED as exc:
+            raise LlmkitError(f"the weights do not fit config.json ({first_line(exc)})") from exc
+    for rule in rules:
+        got, want = tuple(ours[rule.ours].shape), expected[rule.ours]
+        if got != want:
+            names = ", ".join(repr(n) for n in rule.theirs)
+            raise LlmkitError(
+                f"{rule.ours} (from {names}): the checkpoint gives shape {got}, the model "
+                f"expects {want}"
+            )
+    filled = set(ours) | ({"lm_head.weight"} if tied else set())
+    missing = sorted(set(expected) - filled)
+    if missing:
+        raise LlmkitError(f"the checkpoint fills no {missing[0]!r}")
+
+
+def _check_size(where: Path, meta: nn.Module, checkpoint_elements: int) -> None:
+    """Refuse a model (built on the meta device) that would hold far more than the
+    checkpoint's tensors imply: buffers such as RoPE tables sized by an absurd context."""
+    params = {id(p): p.numel() for p in meta.parameters()}
+    buffers = [(n, b) for n, b in meta.named_buffers()]
+    total = sum(params.values()) + sum(b.numel() for _, b in buffers)
+    if total <= 2 * checkpoint_elements + EXTRA_ELEMENTS:
+        return
+    what = ""
+    if buffers:
+        name, largest = max(buffers, key=lambda nb: nb[1].numel())
+        what = f" (largest buffer {name} {tuple(largest.shape)})"
+    raise LlmkitError(
+        f"{where}: the model would hold {total:,} values{what} for {checkpoint_elements:,} in "
+        "the checkpoint; refusing a config that claims far more than its weights"
+    )
+
+
+def _ignored(name: str, ignore: tuple[str, ...]) -> bool:
+    return any(fnmatch.fnmatchcase(name, pattern) for pattern in ignore)
+
+
 def hf_to_llmkit(hf_dir: str | Path, *, attention: str = "sdpa") -> Imported:
-    """Read a local HF checkpoint into an llmkit model (fp32, eval mode)."""
-    from llmkit.model import build_model
+    """Read a local HF checkpoint into an llmkit model (fp32, eval mode).
+
+    Everything is checked before any real allocation: the weight files' headers (names,
+    shapes, dtypes) against the model built on the meta device; then the tensors are read
+    (NaN/Inf refused), mapped, and copied into the model."""
+    from llmkit.model.transformer import build_on_meta
 
     d = Path(hf_dir).expanduser()
     cfg = hf_files.read_config(d)
@@ -139,20 +264,37 @@ def hf_to_llmkit(hf_dir: str | Path, *, attention: str = "sdpa") -> Imported:
         return _remote_to_llmkit(d, cfg, attention)
     fam = family_for(cfg.get("model_type"))
     cfg = fam.defaults.get(cfg["model_type"], {}) | cfg
+    weights = hf_files.open_weights(d)
+    _check_counts(d / hf_files.CONFIG, cfg, len(weights.infos))
     try:
         raw, rs = _spec_for(cfg, d.name or "imported", attention)
     except MALFORMED as exc:
         what = f"{d / hf_files.CONFIG}: cannot be read as {cfg['model_type']}"
         raise LlmkitError(f"{what} ({type(exc).__name__}: {exc})") from exc
-    tensors = _with_prefix(hf_files.read_weights(d), fam)
-    sizes: Counter[str] = Counter()  # elements by dtype: the checkpoint's is the one most hold
-    for t in tensors.values():
-        sizes[str(t.dtype).removeprefix("torch.")] += t.numel()
-    dtypes = [name for name, _ in sizes.most_common()]
+    named = _with_prefix({n: n for n in weights.infos}, fam)  # the model's name → the file's
+    infos = {k: weights.infos[v] for k, v in named.items()}
     tied = rs.model.tie_embeddings
-    ignore = fam.ignore + (("lm_head.weight",) if tied else ())
+    ignore = tuple(fam.ignore) + (("lm_head.weight",) if tied else ())
     try:
-        ours = to_llmkit(fam.rules(cfg), tensors, ignore=ignore)
+        rules = fam.rules(cfg)
+        meta = build_on_meta(rs)
+    except MALFORMED as exc:
+        raise LlmkitError(f"{d}: the weights do not fit config.json ({first_line(exc)})") from exc
+    expected = {k: tuple(v.shape) for k, v in meta.state_dict(keep_vars=True).items()}
+    _check_dtypes(infos, ignore)
+    _check_shapes(rules, infos, expected, ignore, tied)
+    used = [n for n in infos if not _ignored(n, ignore) or (tied and n == "lm_head.weight")]
+    _check_size(d / hf_files.CONFIG, meta, sum(infos[n].numel for n in used))
+    del meta
+    sizes: Counter[str] = Counter()  # elements by dtype: the checkpoint's is the one most hold
+    for n in used:
+        sizes[infos[n].dtype] += infos[n].numel
+    dtypes = [name for name, _ in sizes.most_common()]
+    loaded = weights.load(named[n] for n in used)
+    tensors = {n: loaded[named[n]] for n in used}
+    del loaded
+    try:
+        ours = to_llmkit(rules, tensors, ignore=ignore)
     except MALFORMED as exc:  # tensors of other shapes than config.json says
         raise LlmkitError(f"{d}: the weights do not fit config.json ({first_line(exc)})") from exc
     if tied:
@@ -160,7 +302,7 @@ def hf_to_llmkit(hf_dir: str | Path, *, attention: str = "sdpa") -> Imported:
         if head is not None and not torch.equal(head, ours["tok_emb.weight"]):
             raise LlmkitError("tie_word_embeddings is set but lm_head differs from the embedding")
         ours["lm_head.weight"] = ours["tok_emb.weight"]
-    model = build_model(rs)
+    model = _build(rs)
     _fill(model, ours)  # copy_ casts into the fp32 parameters: no fp32 copy of the checkpoint
     del tensors, ours
     model.eval()
@@ -172,19 +314,49 @@ def hf_to_llmkit(hf_dir: str | Path, *, attention: str = "sdpa") -> Imported:
     return Imported(raw, rs, model, cfg, str(source_dtype), notes)
 
 
+def _build(rs: ResolvedSpec) -> nn.Module:
+    """The model for real (its values are overwritten), once the checks have passed."""
+    from llmkit import model as model_module
+
+    return model_module.build_model(rs)
+
+
 def _remote_to_llmkit(d: Path, cfg: dict[str, Any], attention: str) -> Imported:
     """A remote-code export of llmkit's: the spec from config.json, llmkit's own tensors."""
-    from llmkit.model import build_model
+    from llmkit.model.transformer import build_on_meta
 
     raw = remote.spec_of(cfg, d.name or "imported", attention)
+    weights = hf_files.open_weights(d)
+    _check_counts(d / hf_files.CONFIG, raw["model"], len(weights.infos))
     try:
         rs = resolve(copy.deepcopy(raw), source=f"{d / hf_files.CONFIG} (llmkit_spec)")
     except LlmkitError as exc:
         raise LlmkitError(f"the llmkit spec in config.json does not resolve here: {exc}") from exc
-    tensors = hf_files.read_weights(d)
+    tied = rs.model.tie_embeddings
+    infos = remote.llmkit_infos(weights.infos, tied)
+    try:
+        meta = build_on_meta(rs)
+    except MALFORMED as exc:
+        raise LlmkitError(f"{d}: the llmkit spec in config.json builds no model: {exc}") from exc
+    expected = {k: tuple(v.shape) for k, v in meta.state_dict(keep_vars=True).items()}
+    _check_dtypes(weights.infos, ())
+    for name, info in infos.items():
+        if name not in expected:
+            raise LlmkitError(f"{info.file}: tensor {remote.PREFIX + name!r} is not in the model")
+        if info.shape != expected[name]:
+            raise LlmkitError(
+                f"{info.file}: tensor {remote.PREFIX + name!r} has shape {info.shape}, the "
+                f"model expects {expected[name]}"
+            )
+    missing = sorted(set(expected) - set(infos))
+    if missing:
+        raise LlmkitError(f"the checkpoint fills no {remote.PREFIX + missing[0]!r}")
+    _check_size(d / hf_files.CONFIG, meta, sum(i.numel for i in weights.infos.values()))
+    del meta
+    tensors = weights.load_all()
     dtypes = Counter(str(t.dtype).removeprefix("torch.") for t in tensors.values())
-    ours = remote.llmkit_tensors(tensors, rs.model.tie_embeddings)
-    model = build_model(rs)
+    ours = remote.llmkit_tensors(tensors, tied)
+    model = _build(rs)
     _fill(model, ours)
     del tensors, ours
     model.eval()
@@ -217,7 +389,7 @@ def _computes(res: Resolved, d_model: int, bias: bool) -> dict[str, Any]:
     return {"name": res.name} | {k: v for k, v in effective.items() if k not in skip}
 
 
-def _with_prefix(tensors: dict[str, torch.Tensor], fam: Family) -> dict[str, torch.Tensor]:
+def _with_prefix(tensors: dict[str, T], fam: Family) -> dict[str, T]:
     """Names as the ``*ForCausalLM`` model has them: a base model's checkpoint (``wte.weight``
     for GPT-2's ``transformer.wte.weight``) gets the family's prefix."""
     if any(k.startswith(fam.prefix) for k in tensors):

@@ -30,8 +30,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from llmkit.data.tokenizer import CONFIG_FILE, Tokenizer, read_json_object
+from llmkit.data.tokenizer import CONFIG_FILE, Tokenizer
 from llmkit.errors import LlmkitError, first_line
+from llmkit.files import parse_json
+from llmkit.interop import local_files
 
 if TYPE_CHECKING:
     import tokenizers
@@ -71,6 +73,8 @@ class HFTokenizerFiles:
     bos_token: str | None = None
     adds_bos: bool = False
     source: str = TOKENIZER_FILE
+    #: How many ids the tokenizer can give (the highest + 1), added tokens included.
+    n_ids: int = 0
 
     @property
     def chat_template(self) -> str | None:
@@ -93,12 +97,12 @@ def read_hf_tokenizer(hf_dir: Path) -> HFTokenizerFiles | None:
     hf_dir = Path(hf_dir)
     if not hf_dir.is_dir():
         raise LlmkitError(f"{hf_dir}: not a directory")
-    config = _read_json_object(hf_dir / CONFIG_FILE)
-    token_map = _read_json_object(hf_dir / SPECIAL_TOKENS_MAP)
+    config = _checkpoint_object(hf_dir, CONFIG_FILE)
+    token_map = _checkpoint_object(hf_dir, SPECIAL_TOKENS_MAP)
     path = hf_dir / TOKENIZER_FILE
     roles = _file_roles(hf_dir, config, token_map)
     if path.is_file():
-        text, tok = _read_tokenizer_json(path)
+        text, tok = _read_tokenizer_json(path, local_files.inside(hf_dir, TOKENIZER_FILE))
         return _files(text, tok, config, roles, TOKENIZER_FILE)
     legacy = _legacy_files(hf_dir)
     if legacy is None:
@@ -108,6 +112,7 @@ def read_hf_tokenizer(hf_dir: Path) -> HFTokenizerFiles | None:
                 "vocab.json + merges.txt, tokenizer.model or vocab.txt)"
             )
         return None
+    _check_for_transformers(hf_dir, config)
     hf_tok = _convert_legacy(hf_dir, legacy)
     text = hf_tok.backend_tokenizer.to_str()
     tok = _parse(text, hf_dir / legacy[0])
@@ -134,6 +139,8 @@ def _files(
     bos = known.get("bos_token")
     flag = config.get("add_bos_token")
     adds_bos = flag if isinstance(flag, bool) else _post_processor_adds(text, bos)
+    ids = tok.get_vocab(with_added_tokens=True).values()
+    n_ids = max(tok.get_vocab_size(with_added_tokens=True), max(ids, default=-1) + 1)
     return HFTokenizerFiles(
         tokenizer_json=text,
         config=kept,
@@ -142,21 +149,42 @@ def _files(
         bos_token=bos,
         adds_bos=bool(adds_bos and bos),
         source=source,
+        n_ids=n_ids,
     )
 
 
 def _read_json_object(path: Path) -> dict[str, Any]:
-    """A JSON file's object; {} when there is no file."""
-    return read_json_object(path) or {}
+    """A JSON file's object (bounded in size and depth); {} when there is no file."""
+    return local_files.read_object(path) or {}
 
 
-def _read_tokenizer_json(path: Path) -> tuple[str, tokenizers.Tokenizer]:
-    """tokenizer.json's text, and the tokenizer ``tokenizers`` reads from it."""
+def _checkpoint_object(hf_dir: Path, name: str) -> dict[str, Any]:
+    """The JSON object of the checkpoint's file ``name``, which must lie inside it; {} when
+    there is no such file."""
+    return local_files.checkpoint_object(hf_dir, name) or {}
+
+
+def _read_tokenizer_json(path: Path, real: Path | None = None) -> tuple[str, tokenizers.Tokenizer]:
+    """tokenizer.json's text (read at ``real``, its resolved path, when given), and the
+    tokenizer ``tokenizers`` reads from it."""
     try:
-        text = path.read_text(encoding="utf-8")
+        text = (real or path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise LlmkitError(f"{path}: cannot read it ({first_line(exc)})") from exc
     return text, _parse(text, path)
+
+
+def _check_for_transformers(hf_dir: Path, config: dict[str, Any]) -> None:
+    """Before ``transformers`` converts legacy files (opening what it finds by itself):
+    every entry of the directory stays inside it, and no ``*_file`` setting of
+    tokenizer_config.json names a path outside it (older transformers open those as
+    given)."""
+    local_files.check_tree(hf_dir)
+    for key, value in config.items():
+        if key.endswith(("_file", "_files")) and value is not None:
+            values = value if isinstance(value, list) else [value]
+            for v in values:
+                local_files.inside(hf_dir, v, f"{hf_dir / CONFIG_FILE}: {key}")
 
 
 def _parse(text: str, path: Path) -> tokenizers.Tokenizer:
@@ -214,13 +242,14 @@ def _chat_template(hf_dir: Path, config: dict[str, Any]) -> str | None:
         template = named.get("default", next(iter(named.values()), None))
     if template is None and (hf_dir / CHAT_TEMPLATE_FILES[0]).is_file():
         path = hf_dir / CHAT_TEMPLATE_FILES[0]
+        real = local_files.inside(hf_dir, CHAT_TEMPLATE_FILES[0])
         try:
-            template = path.read_text(encoding="utf-8")
+            template = real.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as exc:
             raise LlmkitError(f"{path}: cannot read it ({first_line(exc)})") from exc
     if template is None and (hf_dir / CHAT_TEMPLATE_FILES[1]).is_file():
         path = hf_dir / CHAT_TEMPLATE_FILES[1]
-        template = _read_json_object(path).get("chat_template")
+        template = _checkpoint_object(hf_dir, CHAT_TEMPLATE_FILES[1]).get("chat_template")
     if template is not None and not isinstance(template, str):
         raise LlmkitError(f"{path}: chat_template must be a string")
     return template or None
@@ -234,7 +263,7 @@ def _post_processor_adds(text: str, bos: str | None) -> bool:
     """Whether tokenizer.json's post-processor puts ``bos`` first in a single sequence."""
     if bos is None:
         return False
-    proc = json.loads(text).get("post_processor") or {}
+    proc = parse_json(text, TOKENIZER_FILE).get("post_processor") or {}
     procs = proc.get("processors", [proc]) if proc.get("type") == "Sequence" else [proc]
     for p in procs:
         if p.get("type") == "TemplateProcessing" and p.get("single"):
@@ -382,8 +411,29 @@ def write_hf_tokenizer(
     model_max_length: int | None = None,
 ) -> list[str]:
     """Write the run's tokenizer into ``out_dir`` for ``transformers.AutoTokenizer`` (no
-    custom code): tokenizer.json as it is, ``tokenizer_config.json`` and
-    ``special_tokens_map.json``. Returns the names of the files written.
+    custom code): :func:`hf_tokenizer_files`, all read and checked before anything is
+    written. Returns the names of the files written."""
+    files = hf_tokenizer_files(
+        run_dir, eos_token=eos_token, bos_token=bos_token, model_max_length=model_max_length
+    )
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for name, text in files.items():
+        (out_dir / name).write_text(text, encoding="utf-8")
+    return list(files)
+
+
+def hf_tokenizer_files(
+    run_dir: Path,
+    *,
+    eos_token: str | None,
+    bos_token: str | None = None,
+    model_max_length: int | None = None,
+) -> dict[str, str]:
+    """The run's tokenizer as the files ``transformers.AutoTokenizer`` loads (no custom
+    code), by name: tokenizer.json as it is, ``tokenizer_config.json`` and
+    ``special_tokens_map.json``. Nothing is written: a malformed run file is an error
+    before any output exists.
 
     ``eos_token`` is the run's EOS (the spec's first special token; None: llmkit's default,
     the lowest-id special token). The config's ``eos_token`` is the run's end of turn when
@@ -393,12 +443,12 @@ def write_hf_tokenizer(
     tokenizers export too, with the same ids (``<unk>`` is not declared: see the module
     docstring).
     """
-    run_dir, out_dir = Path(run_dir), Path(out_dir)
+    run_dir = Path(run_dir)
     src = run_dir / TOKENIZER_FILE
     if not src.is_file():
         raise LlmkitError(f"{src}: not found (the run has no tokenizer to export)")
+    run_config = _read_json_object(run_dir / CONFIG_FILE)  # bounded, before Tokenizer.load
     tok = Tokenizer.load(src, eos_token=eos_token)
-    run_config = _read_json_object(run_dir / CONFIG_FILE)
     roles = _export_roles(tok, run_config, run_dir / CONFIG_FILE, bos_token)
     config: dict[str, Any] = {"tokenizer_class": HF_CLASS, **roles}
     config.update({k: run_config[k] for k in FLAGS if isinstance(run_config.get(k), bool)})
@@ -407,11 +457,15 @@ def write_hf_tokenizer(
     if model_max_length is not None:
         config["model_max_length"] = int(model_max_length)
     config["clean_up_tokenization_spaces"] = False
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / TOKENIZER_FILE).write_text(src.read_text(encoding="utf-8"), encoding="utf-8")
-    _write_json(out_dir / CONFIG_FILE, config)
-    _write_json(out_dir / SPECIAL_TOKENS_MAP, roles)
-    return [TOKENIZER_FILE, CONFIG_FILE, SPECIAL_TOKENS_MAP]
+    try:
+        text = src.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise LlmkitError(f"{src}: cannot read it ({first_line(exc)})") from exc
+    return {
+        TOKENIZER_FILE: text,
+        CONFIG_FILE: _json_text(config),
+        SPECIAL_TOKENS_MAP: _json_text(roles),
+    }
 
 
 def _export_roles(
@@ -430,5 +484,9 @@ def _export_roles(
     return {k: v for k, v in roles.items() if v and v in added}
 
 
+def _json_text(data: dict[str, Any]) -> str:
+    return json.dumps(data, indent=2, ensure_ascii=False) + "\n"
+
+
 def _write_json(path: Path, data: dict[str, Any]) -> None:
-    path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    path.write_text(_json_text(data), encoding="utf-8")

@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -36,6 +36,7 @@ AUTO_MAP = {
 #: The wrapper's name of llmkit's Transformer; every tensor name starts with it.
 PREFIX = "model."
 HEAD, EMBEDDING = "lm_head.weight", "tok_emb.weight"
+T = TypeVar("T")
 
 
 def is_remote(cfg: dict[str, Any]) -> bool:
@@ -111,6 +112,19 @@ def spec_of(cfg: dict[str, Any], name: str, attention: str = "sdpa") -> dict[str
     if attention != "sdpa" and (model.get("attention") or {}).get("name", "sdpa") == "sdpa":
         model["attention"] = {"name": attention}
     return {"name": name, "model": model}
+
+
+def llmkit_infos(infos: dict[str, T], tied: bool) -> dict[str, T]:
+    """llmkit's names for a remote-code export's tensors (headers or tensors alike); a tied
+    head is the embedding."""
+    out = {}
+    for k, v in infos.items():
+        if not k.startswith(PREFIX):
+            raise LlmkitError(f"tensor {k!r} of an llmkit export is not under {PREFIX!r}")
+        out[k.removeprefix(PREFIX)] = v
+    if tied and EMBEDDING in out:
+        out.setdefault(HEAD, out[EMBEDDING])
+    return out
 
 
 def llmkit_tensors(tensors: dict[str, torch.Tensor], tied: bool) -> dict[str, torch.Tensor]:

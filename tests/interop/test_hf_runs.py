@@ -5,6 +5,7 @@ out as a directory transformers loads (weights bit for bit)."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -302,8 +303,10 @@ def test_a_malformed_config_is_one_line(checkpoint, tmp_path, capsys, change):
     d.mkdir()
     config = json.loads((checkpoint[0] / "config.json").read_text()) | change
     (d / "config.json").write_text(json.dumps(config))
-    (d / "model.safetensors").symlink_to(checkpoint[0] / "model.safetensors")
+    # a copy: a link out of the checkpoint directory would be refused for that alone
+    shutil.copy(checkpoint[0] / "model.safetensors", d / "model.safetensors")
     one_line_error(capsys, ["import-hf", str(d), str(tmp_path / "out")])
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize(("config_cls", "base_cls", "causal_cls"), [
