@@ -6,9 +6,13 @@ import argparse
 import subprocess
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from llmkit.cli.common import add_set, at_least, console, seconds, table
+
+#: What ``--workers`` adds to the seed offset of each process after the first.
+WORKER_SEED_STRIDE = 1000
 
 
 def register_commands(register: Callable[..., Any]) -> None:
@@ -55,13 +59,26 @@ def configure_search(p: argparse.ArgumentParser) -> None:
 
 
 def run_search_command(args: argparse.Namespace) -> int:
-    from llmkit.experiments.search import check_search, prepare_search, run_search
+    from llmkit.experiments.search import (
+        check_search,
+        check_seed,
+        default_out,
+        open_given_storage,
+        prepare_search,
+        run_search,
+    )
     from llmkit.experiments.trial import threads_per_worker
 
     search, base = prepare_search(
         args.search_file, trials=args.trials, overrides=args.set, max_steps=args.max_steps
     )
     check_search(search, base, args.max_steps)  # every problem before any process starts
+    check_seed(search, args.seed_offset + (args.workers - 1) * WORKER_SEED_STRIDE)
+    if args.workers > 1:  # a storage refused in one line, not one from every process
+        out = Path(args.out) if args.out else default_out(search.name)
+        rdb = open_given_storage(search, args.storage, args.search_file, out)
+        if rdb is not None:
+            rdb.engine.dispose()
     threads = args.threads or threads_per_worker(args.workers)
     helpers: list[subprocess.Popen[bytes]] = []
     if args.workers > 1:
@@ -74,7 +91,7 @@ def run_search_command(args: argparse.Namespace) -> int:
             argv += ["--set", assignment]
         helpers = [  # each its own sampler seed: the file's, plus its worker number
             subprocess.Popen(
-                [*argv, "--seed-offset", str(args.seed_offset + i * 1000)],
+                [*argv, "--seed-offset", str(args.seed_offset + i * WORKER_SEED_STRIDE)],
                 stdout=subprocess.DEVNULL,
             )
             for i in range(1, args.workers)

@@ -38,6 +38,11 @@ from pydantic import (
 SAMPLE_DIGITS = 6
 #: Stepped float values are rounded to this many significant digits: ``0.1 + 2 · 0.1`` is 0.3.
 GRID_DIGITS = 12
+#: The most values a ``choice`` may list: every one is resolved and checked before a search
+#: or sweep runs anything.
+MAX_CHOICES = 10_000
+#: Integer ranges stay within a 64-bit integer (what a spec's integers and Optuna hold).
+INT_LIMIT = 2**63
 
 
 def check_value(value: Any) -> Any:
@@ -108,6 +113,8 @@ class _Distribution(BaseModel):
 def _ordered(lo: float, hi: float) -> None:
     if not lo < hi:
         raise ValueError(f"the range {[lo, hi]} must go from low to high")
+    if isinstance(lo, float) and not math.isfinite(hi - lo):
+        raise ValueError(f"the range {[lo, hi]} is wider than a float holds (hi - lo overflows)")
 
 
 def _round(value: float, digits: int) -> float:
@@ -155,6 +162,11 @@ class Uniform(_Distribution):
         _ordered(*self.uniform)
         if self.step is not None and self.step > self.uniform[1] - self.uniform[0]:
             raise ValueError(f"step {self.step} is wider than the range {list(self.uniform)}")
+        if self.step is not None and (self.uniform[1] - self.uniform[0]) / self.step >= INT_LIMIT:
+            raise ValueError(
+                f"step {self.step} is too small for the range {list(self.uniform)} "
+                "(2**63 steps or more)"
+            )
         return self
 
     def _count(self) -> int:
@@ -202,6 +214,8 @@ class Int(_Distribution):
     def _range(self) -> Int:
         lo, hi = self.integers
         _ordered(lo, hi)
+        if lo < -INT_LIMIT or hi >= INT_LIMIT:
+            raise ValueError(f"the range {[lo, hi]} must lie within [-2**63, 2**63)")
         if self.log_scale and lo < 1:
             raise ValueError("int with log = true needs a low end ≥ 1")
         if self.log_scale and self.step is not None:
@@ -243,7 +257,9 @@ class Choice(_Distribution):
     """``{choice = [a, b, ...]}``: one of the values, each equally likely."""
 
     KEY: ClassVar[str] = "choice"
-    choice: ValueList = Field(description="The values (any value --set takes).")
+    choice: ValueList = Field(
+        max_length=MAX_CHOICES, description="The values (any value --set takes)."
+    )
 
     def draw(self, rng: random.Random) -> Any:
         return rng.choice(self.choice)

@@ -40,15 +40,23 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from llmkit.errors import LlmkitError, SpecError, first_line, validation_problems
 from llmkit.experiments import trial as trial_runner
 from llmkit.experiments.distributions import DISTRIBUTIONS, Choice, Distribution, table_keys
-from llmkit.experiments.sweep_axes import METRIC_COLUMNS, check_overrides, toml_literal
+from llmkit.experiments.sweep_axes import (
+    METRIC_COLUMNS,
+    PATH_PATTERN,
+    check_overrides,
+    toml_literal,
+)
 
 #: Seconds between a running trial's heartbeats; a trial silent for longer is stale.
 HEARTBEAT_S = 20
+#: The largest sampler seed (the file's ``seed`` plus ``--seed-offset``): Optuna's samplers
+#: seed NumPy, which takes 0 … 2**32 - 1.
+MAX_SEED = 2**32 - 1
 
 
 class SearchSpec(BaseModel):
@@ -57,7 +65,7 @@ class SearchSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", max_length=100)
-    base: str = Field(description="the base spec file, relative to the search file")
+    base: str = Field(min_length=1, description="the base spec file, relative to the search file")
     set: list[str] = Field(default_factory=list, description="overrides of every trial")
     params: dict[str, Distribution] = Field(min_length=1)
     trials: int = Field(20, ge=1, le=100_000, description="completed or pruned trials wanted")
@@ -67,7 +75,7 @@ class SearchSpec(BaseModel):
         "cross-entropy (comparable across objectives) or objective (val_loss)",
     )
     sampler: Literal["tpe", "random"] = "tpe"
-    seed: int | None = 0
+    seed: int | None = Field(0, ge=0, le=MAX_SEED, description="the sampler's seed")
     startup_trials: int = Field(
         5, ge=0, description="random trials before TPE; trials before pruning starts"
     )
@@ -78,6 +86,31 @@ class SearchSpec(BaseModel):
     storage: str | None = Field(
         None, description="a database URL (default: sqlite:///OUT/study.db)"
     )
+
+    @field_validator("set")
+    @classmethod
+    def _assignments(cls, sets: list[str]) -> list[str]:
+        for a in sets:
+            key, sep, _ = a.partition("=")
+            if not sep or not PATH_PATTERN.fullmatch(key.strip()):
+                raise ValueError(f"{a!r}: expected KEY=VALUE, e.g. train.max_steps=200")
+        return sets
+
+    @field_validator("params")
+    @classmethod
+    def _paths(cls, params: dict[str, Any]) -> dict[str, Any]:
+        bad = [p for p in params if not PATH_PATTERN.fullmatch(p)]
+        if bad:
+            raise ValueError(f"{bad[0]!r} is not a spec path such as optimizer.lr")
+        return params
+
+    @field_validator("storage")
+    @classmethod
+    def _storage(cls, url: str | None) -> str | None:
+        problem = None if url is None else storage_problem(url)
+        if problem:
+            raise ValueError(problem)
+        return url
 
 
 def read_search(path: str | Path) -> tuple[SearchSpec, Path]:
@@ -119,6 +152,126 @@ def default_out(name: str) -> Path:
     return DEFAULT_ROOT / name
 
 
+# -- the study's database ---------------------------------------------------------------------
+#
+# A search file's ``storage`` (and ``--storage``) may name any database URL: llmkit connects
+# to it with Optuna (SQLAlchemy). Each URL is parsed, then opened, before the search's
+# directory is made; whatever goes wrong is one line naming the URL (its password hidden).
+
+
+def shown_url(url: str) -> str:
+    """A database URL as errors show it: its password hidden, when it parses."""
+    try:
+        from sqlalchemy.engine import make_url
+
+        parsed = make_url(url)
+        return url if parsed.password is None else parsed.render_as_string(hide_password=True)
+    except Exception:  # not a URL (the problem says so), or no SQLAlchemy
+        return url if len(url) <= 200 else url[:199] + "…"
+
+
+def storage_problem(url: str) -> str | None:
+    """Why ``url`` cannot hold a study, read from the URL alone (nothing is opened): empty,
+    not a URL, a port outside 1–65535, an in-memory SQLite database (gone with the process,
+    and Optuna's heartbeat thread cannot reach it); None when it may."""
+    if not url.strip():
+        return "an empty database URL; give one such as sqlite:///path/study.db"
+    try:
+        from sqlalchemy.engine import make_url
+    except ImportError:  # no Optuna either: the search says so itself
+        return None
+    example = "e.g. sqlite:///path/study.db or postgresql://user@host/db"
+    try:
+        parsed = make_url(url)
+    except Exception as exc:  # ArgumentError, ValueError (a port that is no number), …
+        return f"{shown_url(url)!r} is not a database URL ({first_line(exc)}); {example}"
+    if parsed.port is not None and not 0 < parsed.port < 65536:
+        return f"{shown_url(url)!r}: port {parsed.port} is not a port (1-65535)"
+    memory = parsed.database in (None, "", ":memory:") or "memory" in str(parsed.query.get("mode"))
+    if parsed.get_backend_name() == "sqlite" and memory:
+        return (
+            f"{shown_url(url)!r} is an in-memory SQLite database, gone with the process; "
+            "name a file: sqlite:///path/study.db"
+        )
+    return None
+
+
+def open_storage(url: str, where: str) -> Any:
+    """Optuna's storage of the study in ``url`` (its tables made when new), or a one-line
+    :class:`LlmkitError` naming ``where`` the URL came from (``--storage``, the search file)
+    and what went wrong: a URL that is none, an unknown dialect, a driver not installed, a
+    database that cannot be opened."""
+    problem = storage_problem(url)
+    if problem:
+        raise LlmkitError(f"{where}: {problem}")
+    from optuna.storages import RDBStorage, RetryHeartbeatStaleTrialCallback
+
+    try:
+        with quiet_optuna():  # heartbeats are experimental: no warning about it
+            return RDBStorage(
+                url,
+                heartbeat_interval=HEARTBEAT_S,
+                grace_period=2 * HEARTBEAT_S,
+                heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback(max_retry=1),
+            )
+    except Exception as exc:  # SQLAlchemy's errors, a driver's ImportError, Optuna's own
+        raise LlmkitError(
+            f"{where}: cannot open the study's database {shown_url(url)!r}: "
+            f"{first_line(exc, typed=True, limit=300)}"
+        ) from exc
+
+
+def given_storage(
+    search: SearchSpec, storage: str | None, path: str | Path
+) -> tuple[str, str] | None:
+    """The study's database URL given by ``--storage`` (first) or the search file, and where
+    it was given; None for the default (``sqlite:///OUT/study.db``)."""
+    if storage is not None:
+        return storage, "--storage"
+    if search.storage is not None:
+        return search.storage, f"storage in {path}"
+    return None
+
+
+def _sqlite_inside(url: str, out: Path) -> bool:
+    """Whether ``url`` is a SQLite database file inside the search's directory ``out`` (which
+    is made before it is opened, as the default ``sqlite:///OUT/study.db`` is)."""
+    try:
+        from sqlalchemy.engine import make_url
+
+        parsed = make_url(url)
+        if parsed.get_backend_name() != "sqlite" or not parsed.database:
+            return False
+        return Path(parsed.database).resolve().is_relative_to(out.resolve())
+    except Exception:  # not a URL: open_storage says so
+        return False
+
+
+def open_given_storage(search: SearchSpec, storage: str | None, path: str | Path, out: Path) -> Any:
+    """The storage ``--storage`` or the search file names, opened before the search's
+    directory ``out`` is made (a one-line :class:`LlmkitError` when it cannot be), so that a
+    refused URL leaves nothing behind; None for the default, and for a SQLite file inside
+    ``out`` (opened once ``out`` is made)."""
+    given = given_storage(search, storage, path)
+    if given is None:
+        return None
+    if _sqlite_inside(given[0], out):
+        problem = storage_problem(given[0])
+        if problem:
+            raise LlmkitError(f"{given[1]}: {problem}")
+        return None
+    return open_storage(*given)
+
+
+def check_seed(search: SearchSpec, seed_offset: int) -> None:
+    """The sampler's seed (the file's plus ``seed_offset``) must be one NumPy takes."""
+    if search.seed is not None and search.seed + seed_offset > MAX_SEED:
+        raise LlmkitError(
+            f"seed {search.seed} + --seed-offset {seed_offset} = {search.seed + seed_offset} "
+            f"is above {MAX_SEED}, the largest seed Optuna's samplers take; use smaller ones"
+        )
+
+
 #: What fails one trial (recorded, and the study goes on) rather than the whole search.
 FAILURES = (LlmkitError, RuntimeError, ValueError)
 
@@ -151,31 +304,61 @@ def prepare_search(
 
 def check_search(search: SearchSpec, base: Path, max_steps: int | None = None) -> None:
     """Resolve the base spec with every parameter at each end of its range (each choice),
-    cut to ``max_steps`` (``--max-steps``) as the trials will be: all problems at once,
-    before any trial runs."""
-    from llmkit.model import build_problems
-    from llmkit.spec import load_spec
-
+    cut to ``max_steps`` (``--max-steps``) as the trials will be, and check each model
+    (:func:`llmkit.experiments.trial.model_problems`: it fits this machine's memory, its
+    components take their dimensions; built on the meta device when large): all problems at
+    once, before any trial runs. When every end passes, combinations are checked too, up to
+    the first that fails: each parameter at the end that gave the largest model (the largest
+    model the search can draw when sizes grow with each parameter), all at their high ends,
+    all at their low ends; so that no trial meets what no single end showed (a model too
+    large for this machine, above all). Each trial is checked again as it starts
+    (:func:`llmkit.experiments.trial.memory_problems`)."""
     problems: list[str] = []
-    tried: set[tuple[str, str]] = set()
+    sizes: dict[str, list[tuple[int, Any]]] = {}  # path -> [(model size, value)]
     for path, dist in search.params.items():
         for value in dist.ends():
-            key = (path, json.dumps(value))
+            if any(json.dumps(v) == json.dumps(value) for _, v in sizes.get(path, [])):
+                continue
+            found, size = _check_values(search, base, max_steps, {path: value})
+            problems += [f"{path} = {value!r}: {p}" for p in found]
+            sizes.setdefault(path, []).append((size or 0, value))
+    if not problems and len(search.params) > 1:
+        largest = {p: max(vs, key=lambda sv: sv[0])[1] for p, vs in sizes.items()}
+        corners = {
+            "the largest model": largest,
+            "every parameter at its high end": {p: d.ends()[-1] for p, d in search.params.items()},
+            "every parameter at its low end": {p: d.ends()[0] for p, d in search.params.items()},
+        }
+        tried: set[str] = set()
+        for what, values in corners.items():
+            key = json.dumps(values, sort_keys=True)
             if key in tried:
                 continue
             tried.add(key)
-            try:
-                sets = [*search.set, _override(path, value)]
-                rs = load_spec(base, trial_runner.cut_overrides(base, sets, max_steps))
-                found = build_problems(rs)
-                if found:
-                    raise SpecError(found)
-            except SpecError as exc:
-                problems += [f"{path} = {value!r}: {p}" for p in exc.problems]
-            except LlmkitError as exc:
-                problems.append(f"{path} = {value!r}: {exc}")
+            found, _ = _check_values(search, base, max_steps, values)
+            shown = ", ".join(f"{p} = {v!r}" for p, v in values.items())
+            problems += [f"{shown} ({what}): {p}" for p in found]
+            if problems:  # the first corner that fails says enough: the others repeat it
+                break
     if problems:
         raise SpecError(sorted(set(problems)), f"search {search.name}")
+
+
+def _check_values(
+    search: SearchSpec, base: Path, max_steps: int | None, values: dict[str, Any]
+) -> tuple[list[str], int | None]:
+    """The problems of a trial with ``values`` (spec path -> value), and its model's size
+    (:func:`llmkit.experiments.trial.model_size`; None when it does not resolve)."""
+    from llmkit.spec import load_spec
+
+    sets = [*search.set, *(_override(p, v) for p, v in values.items())]
+    try:
+        rs = load_spec(base, trial_runner.cut_overrides(base, sets, max_steps))
+        return trial_runner.model_problems(rs), trial_runner.model_size(rs)
+    except SpecError as exc:
+        return list(exc.problems), None
+    except LlmkitError as exc:
+        return [str(exc)], None
 
 
 @dataclass
@@ -234,17 +417,10 @@ def _check_same_plan(study: Any, plan: dict[str, Any]) -> None:
         )
 
 
-def _study(search: SearchSpec, out: Path, storage: str | None, seed_offset: int = 0) -> Any:
+def _study(search: SearchSpec, storage: Any, seed_offset: int = 0) -> Any:
+    """The search's study in ``storage`` (:func:`open_storage`), made or loaded."""
     import optuna
-    from optuna.storages import RDBStorage, RetryHeartbeatStaleTrialCallback
 
-    url = storage or search.storage or f"sqlite:///{(out / 'study.db').resolve()}"
-    rdb = RDBStorage(
-        url,
-        heartbeat_interval=HEARTBEAT_S,
-        grace_period=2 * HEARTBEAT_S,
-        heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback(max_retry=1),
-    )
     # every process needs its own seed: equal seeds would draw equal trials side by side
     seed = None if search.seed is None else search.seed + seed_offset
     if search.sampler == "tpe":
@@ -260,7 +436,7 @@ def _study(search: SearchSpec, out: Path, storage: str | None, seed_offset: int 
     )
     return optuna.create_study(
         study_name=search.name,
-        storage=rdb,
+        storage=storage,
         sampler=sampler,
         pruner=pruner,
         direction="minimize",
@@ -321,9 +497,15 @@ def _run_search(
 
     search, base = prepare_search(path, trials=trials, overrides=overrides, max_steps=max_steps)
     check_search(search, base, max_steps)
+    check_seed(search, seed_offset)
     out_dir = Path(out) if out else default_out(search.name)
+    rdb = open_given_storage(search, storage, path, out_dir)  # before OUT is made
     (out_dir / "trials").mkdir(parents=True, exist_ok=True)
-    study = _study(search, out_dir, storage, seed_offset)
+    if rdb is None:
+        given = given_storage(search, storage, path)
+        url = given[0] if given else f"sqlite:///{(out_dir / 'study.db').resolve()}"
+        rdb = open_storage(url, given[1] if given else f"the study's database in {out_dir}")
+    study = _study(search, rdb, seed_offset)
     _check_same_plan(study, {"set": search.set, "max_steps": max_steps})
     done_states = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
     threads = threads if threads is not None else trial_runner.threads_per_worker(1)
@@ -347,7 +529,11 @@ def _run_search(
         overrides = [*search.set, *(_override(p, v) for p, v in values.items())]
         shown = ", ".join(f"{p}={_short(v)}" for p, v in values.items())
         cut = trial_runner.cut_overrides(base, overrides, max_steps)
-        last = load_spec(base, cut).spec.train.max_steps
+        rs = load_spec(base, cut)
+        too_big = trial_runner.memory_problems(rs)  # refused before any process allocates it
+        if too_big:
+            raise LlmkitError(f"{shown}: {too_big[0]}")
+        last = rs.spec.train.max_steps
         scaled = cut[len(overrides) : -1]  # the warmup --max-steps scales down to fit
         if scaled:
             shown += f" (--max-steps {max_steps} sets {scaled[0]})"

@@ -36,7 +36,7 @@ from typing import Any
 
 import yaml
 
-from llmkit.errors import LlmkitError, SpecError
+from llmkit.errors import LlmkitError, SpecError, first_line
 from llmkit.experiments import sweep_branches
 from llmkit.experiments import sweep_report as report
 from llmkit.experiments.sweep_axes import (
@@ -55,6 +55,7 @@ from llmkit.experiments.trial import (
     TrialJob,
     TrialProcess,
     cut_overrides,
+    model_problems,
     summarize,
     threads_per_worker,
     visible_gpus,
@@ -145,17 +146,27 @@ def resolve_base(base: str, source: Path | None, what: str = "sweep") -> Path:
     one-line :class:`LlmkitError` names ``base`` as written and the path it was read as."""
     from llmkit.spec import presets
 
-    candidate = Path(base).expanduser()
-    if not candidate.is_absolute():
-        candidate = (source.parent if source is not None else Path.cwd()) / candidate
-    if candidate.is_file():
-        return candidate.resolve()
+    where = f"relative to {source}" if source is not None else "relative to the current directory"
+    try:
+        candidate = Path(base).expanduser()  # RuntimeError: ~user of no such user
+        if not candidate.is_absolute():
+            candidate = (source.parent if source is not None else Path.cwd()) / candidate
+        if candidate.is_file():  # ValueError: a NUL byte; OSError: a name too long
+            from llmkit.spec import load_raw
+
+            load_raw(candidate)  # one line for a file that is no spec, not one per trial
+            return candidate.resolve()
+        shown = str(candidate.resolve())
+    except (OSError, ValueError, RuntimeError) as exc:
+        raise LlmkitError(
+            f"base {base[:200]!r} ({where}): not a path to a spec file ({first_line(exc)}); "
+            f"fix `base` in the {what} file"
+        ) from None
     known = presets()
     if base in known:
         return known[base]
-    where = f"relative to {source}" if source is not None else "relative to the current directory"
     raise LlmkitError(
-        f"base {base!r} ({where}): no spec file {candidate.resolve()}, nor a preset of that "
+        f"base {base!r} ({where}): no spec file {shown}, nor a preset of that "
         f"name; fix `base` in the {what} file"
     )
 
@@ -163,7 +174,6 @@ def resolve_base(base: str, source: Path | None, what: str = "sweep") -> Path:
 def validate_plan(plan: SweepPlan) -> dict[str, Any]:
     """Every trial's resolved spec, by trial id; a :class:`SpecError` listing each invalid
     trial's problems (every one of them) when any trial does not resolve."""
-    from llmkit.model import build_problems
     from llmkit.spec import load_spec
 
     specs: dict[str, Any] = {}
@@ -172,7 +182,7 @@ def validate_plan(plan: SweepPlan) -> dict[str, Any]:
     for trial in plan.trials:
         try:
             specs[trial.id] = rs = load_spec(plan.base, plan.overrides(trial))
-            found = build_problems(rs)  # a component refusing its dimensions
+            found = model_problems(rs)  # too large to build here; bad dimensions
             if found:
                 raise SpecError(found)
         except SpecError as exc:

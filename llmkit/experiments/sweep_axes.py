@@ -45,6 +45,18 @@ MAX_ID_LENGTH = 120
 #: Generated values of log/linear ranges are rounded to this many significant
 #: digits, so ``{log = [1e-4, 1e-2], num = 3}`` gives exactly 0.0001, 0.001 and 0.01.
 RANGE_DIGITS = 12
+#: The most trials a sweep may have: the product of its axes' lengths (each zip group counts
+#: once), or its random samples, times its seeds, counted before anything is expanded. Every
+#: trial's spec is resolved and checked before any trial runs (about 5 ms and 25 kB each:
+#: 10,000 trials take about a minute and 250 MB to validate), and each trial is a training
+#: run of its own.
+MAX_TRIALS = 10_000
+#: The most values one range axis (``num``) may have, and the largest seed count.
+MAX_AXIS_VALUES = 10_000
+#: The most text the trials' ``--set`` overrides may hold together (each trial's overrides
+#: are written, and resolved, once per trial): a 1 MB value on an axis of a 10,000-trial
+#: sweep would be 10 GB.
+MAX_OVERRIDE_BYTES = 64 * 2**20
 #: Which results column each ``metric`` names.
 METRIC_COLUMNS = {
     "val_ce": "final_val_ce",
@@ -83,7 +95,7 @@ class LogRange(_Table):
     """``{log = [lo, hi], num = N}``: N log-spaced values from lo to hi (both > 0)."""
 
     log: tuple[float, float] = Field(description="The first and last value, both > 0.")
-    num: int = Field(ge=1, le=10_000, description="How many values, both ends included.")
+    num: int = Field(ge=1, le=MAX_AXIS_VALUES, description="How many values, both ends included.")
     integer: bool = Field(False, description="Round each value to an integer (repeats dropped).")
 
     @field_validator("log")
@@ -101,8 +113,15 @@ class LinearRange(_Table):
     """``{linear = [lo, hi], num = N}``: N evenly spaced values from lo to hi."""
 
     linear: tuple[float, float] = Field(description="The first and last value.")
-    num: int = Field(ge=1, le=10_000, description="How many values, both ends included.")
+    num: int = Field(ge=1, le=MAX_AXIS_VALUES, description="How many values, both ends included.")
     integer: bool = Field(False, description="Round each value to an integer (repeats dropped).")
+
+    @field_validator("linear")
+    @classmethod
+    def _finite_width(cls, ends: tuple[float, float]) -> tuple[float, float]:
+        if not math.isfinite(ends[1] - ends[0]):
+            raise ValueError(f"the range {list(ends)} is wider than a float holds")
+        return ends
 
     def values(self) -> list[Any]:
         return spaced(*self.linear, self.num, log=False, integer=self.integer)
@@ -137,7 +156,7 @@ Axis = Annotated[
 class RandomSearch(_Table):
     """``[random]``: ``samples`` draws of every axis in ``axes``, reproducible from ``seed``."""
 
-    samples: int = Field(ge=1, le=100_000, description="How many configurations to draw.")
+    samples: int = Field(ge=1, le=MAX_TRIALS, description="How many configurations to draw.")
     seed: int = Field(0, ge=0, description="Seed of the draws (not the trials' train.seed).")
     axes: dict[str, Distribution] = Field(
         min_length=1, description="Spec path -> distribution, e.g. optimizer.lr."
@@ -148,7 +167,7 @@ class RandomSearch(_Table):
 _SEEDS_SCHEMA = {
     "anyOf": [
         {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1},
-        {"type": "integer", "minimum": 1, "maximum": 10_000},
+        {"type": "integer", "minimum": 1, "maximum": MAX_AXIS_VALUES},
         {"type": "null"},
     ]
 }
@@ -212,8 +231,8 @@ class SweepFile(_Table):
     @classmethod
     def _seed_count(cls, value: Any) -> Any:
         if isinstance(value, int) and not isinstance(value, bool):
-            if not 1 <= value <= 10_000:
-                raise ValueError("a seed count must be between 1 and 10000")
+            if not 1 <= value <= MAX_AXIS_VALUES:
+                raise ValueError(f"a seed count must be between 1 and {MAX_AXIS_VALUES}")
             return list(range(value))
         return value
 
@@ -223,8 +242,11 @@ class SweepFile(_Table):
         if seeds is not None:
             if any(not 0 <= s < 2**63 for s in seeds):
                 raise ValueError("seeds must be in [0, 2**63)")
-            if len(set(seeds)) != len(seeds):
-                raise ValueError(f"seeds must be distinct, got {seeds}")
+            seen: set[int] = set()
+            for s in seeds:
+                if s in seen:  # named alone: the list may be long
+                    raise ValueError(f"seeds must be distinct; {s} appears twice")
+                seen.add(s)
         return seeds
 
     @field_validator("overrides")
@@ -258,12 +280,84 @@ class SweepFile(_Table):
             raise ValueError(f"an axis appears twice: {', '.join(twice)}")
         if self.seeds is not None and "train.seed" in paths:
             raise ValueError("`seeds` sets train.seed: it cannot also be an axis")
+        too_many = trial_count_problem(self) or override_bytes_problem(self)
+        if too_many:
+            raise ValueError(too_many)
         return self
 
 
 def axis_values(axis: Any) -> list[Any]:
     """The values of a grid axis (a list, or a range)."""
     return list(axis) if isinstance(axis, list) else axis.values()
+
+
+def axis_length(axis: Any) -> int:
+    """How many values a grid axis has, without making a range's values when it has one."""
+    if isinstance(axis, list):
+        return len(axis)
+    return len(axis.values()) if axis.integer else axis.num  # an integer range drops repeats
+
+
+def dimensions(sweep: SweepFile) -> list[tuple[str, int]]:
+    """What the sweep's trial count multiplies: each axis, zip group, the random samples and
+    the seeds, as (what, how many)."""
+    dims: list[tuple[str, int]] = []
+    if sweep.random is not None:
+        dims.append(("samples", sweep.random.samples))
+    for path, axis in sweep.axes.items():
+        dims.append((path, axis_length(axis)))
+    for i, group in enumerate(sweep.zipped):
+        dims.append((f"zip[{i}]", axis_length(next(iter(group.values())))))
+    if sweep.seeds is not None:
+        dims.append(("seeds", len(sweep.seeds)))
+    return dims
+
+
+def trial_count(sweep: SweepFile) -> int:
+    """How many trials the sweep has, counted from its axes' lengths (nothing expanded)."""
+    return math.prod(n for _, n in dimensions(sweep))
+
+
+def trial_count_problem(sweep: SweepFile) -> str | None:
+    """The one-line refusal of a sweep with more than :data:`MAX_TRIALS` trials, or None."""
+    dims = dimensions(sweep)
+    n = math.prod(k for _, k in dims)
+    if n <= MAX_TRIALS:
+        return None
+    shown = " × ".join(f"{k:,} {what}" for what, k in dims if k > 1)
+    return (
+        f"the sweep has {n:,} trials ({shown}), more than the limit of {MAX_TRIALS:,}; "
+        "use fewer or shorter axes, samples or seeds"
+    )
+
+
+def override_bytes(sweep: SweepFile, sets: list[str] | None = None) -> int:
+    """The most text one trial's overrides hold (the file's ``set``, ``sets``, the longest
+    value of each axis, the seed), times the number of trials: what expanding the sweep
+    writes, counted before it does."""
+    per_trial = sum(len(a) for a in [*sweep.overrides, *(sets or [])]) + 32
+    if sweep.random is not None:
+        axes: dict[str, Any] = dict(sweep.random.axes)
+    else:
+        axes = {**sweep.axes, **{p: a for g in sweep.zipped for p, a in g.items()}}
+    for path, axis in axes.items():
+        values = axis if isinstance(axis, list) else getattr(axis, "choice", None)
+        longest = max((len(toml_literal(v)) for v in values), default=0) if values else 32
+        per_trial += len(path) + 1 + longest
+    return per_trial * trial_count(sweep)
+
+
+def override_bytes_problem(sweep: SweepFile, sets: list[str] | None = None) -> str | None:
+    """The one-line refusal of a sweep whose trials' overrides would hold more than
+    :data:`MAX_OVERRIDE_BYTES` together, or None."""
+    n = override_bytes(sweep, sets)
+    if n <= MAX_OVERRIDE_BYTES:
+        return None
+    return (
+        f"the sweep's {trial_count(sweep):,} trials would hold about {n / 2**20:,.0f} MiB of "
+        f"--set overrides together, more than the limit of {MAX_OVERRIDE_BYTES // 2**20} MiB; "
+        "use shorter values (or fewer trials)"
+    )
 
 
 def override_paths(assignments: list[str]) -> list[str]:
@@ -440,6 +534,10 @@ def configurations(sweep: SweepFile) -> list[dict[str, Any]]:
 def expand(sweep: SweepFile, sets: list[str] | None = None) -> list[Trial]:
     """The sweep's trials: each configuration once per seed (seeds vary fastest). ``sets``:
     command-line ``--set`` overrides, after the file's ``set`` and before the axes."""
+    # counted again here: a model built without validation, and the command line's --set
+    too_many = trial_count_problem(sweep) or override_bytes_problem(sweep, sets)
+    if too_many:
+        raise LlmkitError(too_many)
     configs = configurations(sweep)
     seeds: list[int | None] = list(sweep.seeds) if sweep.seeds is not None else [None]
     n = len(configs) * len(seeds)

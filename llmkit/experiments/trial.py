@@ -104,6 +104,68 @@ def cut_overrides(spec: Path, overrides: list[str], max_steps: int | None) -> li
     return [*overrides, *extra, f"train.max_steps={max_steps}"]
 
 
+# -- a trial's model, checked before it runs --------------------------------------------------
+
+#: A trial builds its model in fp32 on the CPU before training moves it anywhere: at least
+#: this many bytes of this machine's memory per parameter.
+WEIGHT_BYTES = 4
+
+
+def machine_memory() -> int | None:
+    """This machine's physical memory in bytes; None where it cannot be read."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def model_size(rs: Any) -> int:
+    """The values a trial's model allocates, bounded for checking it: llmkit's parameter
+    estimate (:func:`llmkit.spec.limits.estimate_parameters`) plus one ``max_seq_len ×
+    d_model`` table, which the estimate leaves out (learned positions are such a table;
+    sinusoidal and rotary ones are computed at that size)."""
+    from llmkit.spec.limits import estimate_parameters
+
+    m = rs.spec.model
+    return estimate_parameters(rs.spec, rs.layers) + m.max_seq_len * m.d_model
+
+
+def memory_problems(rs: Any) -> list[str]:
+    """A trial whose model's fp32 weights alone (:data:`WEIGHT_BYTES` per value of
+    :func:`model_size`) exceed this machine's memory: refused before anything allocates it."""
+    n = model_size(rs)
+    have, need = machine_memory(), n * WEIGHT_BYTES
+    if have is None or need <= have:
+        return []
+    return [
+        f"model: about {n:.3g} parameters, {need / 2**30:,.1f} GiB of fp32 weights alone: more "
+        f"than this machine's memory ({have / 2**30:,.1f} GiB); make the model smaller"
+    ]
+
+
+def model_problems(rs: Any) -> list[str]:
+    """What stops a trial's model from being trained here, before any trial runs: weights
+    beyond this machine's memory (:func:`memory_problems`), or a component refusing its
+    dimensions (:func:`llmkit.model.build_problems`: the model built on the CPU when
+    :func:`model_size` says it is small, else on the meta device, which allocates nothing)."""
+    problems = memory_problems(rs)
+    if problems:
+        return problems
+    from llmkit.errors import LlmkitError
+    from llmkit.model import build_on_meta, build_problems
+    from llmkit.model.transformer import CHECK_ON_CPU_PARAMS
+
+    if model_size(rs) <= CHECK_ON_CPU_PARAMS:
+        return build_problems(rs)
+    try:  # build_problems' own estimate leaves the position tables out: not on the CPU
+        build_on_meta(rs)
+    except (LlmkitError, ValueError) as exc:  # what components raise for bad dimensions
+        return [str(exc)]
+    except NotImplementedError:  # an op the meta device lacks: the real build will tell
+        return []
+    return []
+
+
 def trial_env(threads: int | None, gpu: int | None) -> dict[str, str]:
     """The environment of a trial: this one, with its thread count and GPU."""
     env = dict(os.environ)
