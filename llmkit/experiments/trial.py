@@ -146,24 +146,14 @@ def memory_problems(rs: Any) -> list[str]:
 def model_problems(rs: Any) -> list[str]:
     """What stops a trial's model from being trained here, before any trial runs: weights
     beyond this machine's memory (:func:`memory_problems`), or a component refusing its
-    dimensions (:func:`llmkit.model.build_problems`: the model built on the CPU when
-    :func:`model_size` says it is small, else on the meta device, which allocates nothing)."""
+    dimensions (:func:`llmkit.model.build_problems`: the model built on the CPU when small,
+    tables included, else on the meta device, which allocates nothing)."""
     problems = memory_problems(rs)
     if problems:
         return problems
-    from llmkit.errors import LlmkitError
-    from llmkit.model import build_on_meta, build_problems
-    from llmkit.model.transformer import CHECK_ON_CPU_PARAMS
+    from llmkit.model import build_problems
 
-    if model_size(rs) <= CHECK_ON_CPU_PARAMS:
-        return build_problems(rs)
-    try:  # build_problems' own estimate leaves the position tables out: not on the CPU
-        build_on_meta(rs)
-    except (LlmkitError, ValueError) as exc:  # what components raise for bad dimensions
-        return [str(exc)]
-    except NotImplementedError:  # an op the meta device lacks: the real build will tell
-        return []
-    return []
+    return build_problems(rs)
 
 
 def trial_env(threads: int | None, gpu: int | None) -> dict[str, str]:

@@ -357,9 +357,13 @@ def build_problems(rs: ResolvedSpec) -> list[str]:
     """What stops the spec's model from being built — a component refusing its dimensions
     (RoPE on an odd head size) — found before any data is read by building it: on the meta
     device (no memory, no weights), or on the CPU when it is small
-    (:data:`CHECK_ON_CPU_PARAMS`). Empty when it builds."""
+    (:data:`CHECK_ON_CPU_PARAMS`, counting the parameters and one ``max_seq_len × d_model``
+    table, which the estimate leaves out: positional tables are that size). Empty when it
+    builds."""
+    m = rs.spec.model
+    size = estimate_parameters(rs.spec, rs.layers) + m.max_seq_len * m.d_model
     try:
-        if estimate_parameters(rs.spec, rs.layers) <= CHECK_ON_CPU_PARAMS:
+        if size <= CHECK_ON_CPU_PARAMS:
             with torch.random.fork_rng(devices=[]), torch.device("cpu"):
                 build_model(rs)
         else:

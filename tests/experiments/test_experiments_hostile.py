@@ -464,12 +464,17 @@ def test_checking_a_model_builds_large_tables_on_the_meta_device(
 ) -> None:
     """A small estimate but a 2^20 × 1024 sinusoidal table (21 GB and 90 s to build on the
     CPU): built on the meta device, so a sweep's check takes no memory."""
-    import llmkit.model
+    import torch
 
-    def no_cpu_build(rs):
-        raise AssertionError("built on the CPU")
+    import llmkit.model.transformer as transformer
 
-    monkeypatch.setattr(llmkit.model, "build_problems", no_cpu_build)
+    real_build = transformer.build_model
+
+    def meta_only(rs):
+        assert torch.empty(0).device.type == "meta", "built on the CPU"
+        return real_build(rs)
+
+    monkeypatch.setattr(transformer, "build_model", meta_only)
     path = write(
         tmp_path / "long.toml",
         'base = "spec.yaml"\nset = ["model.max_seq_len=1048576", "model.d_model=1024", '

@@ -183,6 +183,26 @@ def test_the_one_parameter_estimate_is_close_below_the_built_model(ffn):
     assert 0.95 * n < estimate_parameters(rs.spec, rs.layers) <= n
 
 
+@pytest.mark.parametrize("position", ["sinusoidal", "learned"])
+def test_build_problems_counts_long_position_tables_and_builds_on_meta(position, monkeypatch):
+    """A small model with a huge context: its position table (max_seq_len × d_model, which
+    the parameter estimate leaves out) would take gigabytes on the CPU; the check builds it
+    on the meta device."""
+    import llmkit.model.transformer as transformer
+
+    devices = []
+    real_build = transformer.build_model
+
+    def build(rs):
+        devices.append(torch.empty(0).device.type)
+        return real_build(rs)
+
+    monkeypatch.setattr(transformer, "build_model", build)
+    rs = load_spec_dict(tiny_spec(position={"name": position}, max_seq_len=2**20, d_model=1024))
+    assert transformer.build_problems(rs) == []
+    assert devices == ["meta"]
+
+
 def test_build_problems_leaves_what_meta_cannot_run_to_the_real_build(monkeypatch):
     import llmkit.model.transformer as transformer
 
