@@ -6,7 +6,6 @@ is allocated)."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,16 +14,12 @@ import torch
 from torch import Tensor
 
 from llmkit.errors import LlmkitError
+from llmkit.model.finite import first_nonfinite
 
 
 class GenerationError(LlmkitError, ValueError):
     """A generation setting, prompt or model that cannot work: a ``ValueError`` to the
     Python API, one line (``error: …``, exit 2) from the CLI, as an :class:`LlmkitError`."""
-
-
-#: Elements of a weight checked at once for NaN and infinity (the temporaries stay this
-#: small, whatever the tensor's size).
-CHECK_CHUNK = 1 << 22
 
 
 def text_problem(text: str) -> str | None:
@@ -54,25 +49,6 @@ def _floating_tensors(model: torch.nn.Module) -> Iterator[tuple[str, Tensor]]:
         if t.is_floating_point() and id(t) not in seen:
             seen.add(id(t))
             yield name, t
-
-
-def first_nonfinite(t: Tensor, chunk: int = CHECK_CHUNK) -> tuple[tuple[int, ...], float] | None:
-    """The index and value of ``t``'s first NaN or infinity, or None; read a slice of at most
-    about ``chunk`` elements at a time (any strides: no contiguous copy of ``t``)."""
-    t = t.detach()
-    flat = t.reshape(1, -1) if t.dim() < 2 else t
-    per_row = max(math.prod(flat.shape[1:]), 1)
-    rows = max(chunk // per_row, 1)
-    for start in range(0, flat.shape[0], rows):
-        part = flat[start : start + rows]
-        if bool(torch.isfinite(part).all()):
-            continue
-        where = (~torch.isfinite(part)).nonzero()[0].tolist()
-        value = float(part[tuple(where)])
-        where[0] += start
-        index = tuple(where) if t.dim() >= 2 else tuple(where[1:])[: t.dim()]
-        return index, value
-    return None
 
 
 def check_weights(model: torch.nn.Module, where: str | Path | None = None) -> None:

@@ -27,6 +27,7 @@ import torch
 
 from llmkit.errors import LlmkitError, first_line
 from llmkit.interop import local_files
+from llmkit.model.finite import first_nonfinite
 
 CONFIG = "config.json"
 SAFETENSORS = "model.safetensors"
@@ -37,8 +38,6 @@ GENERATION_CONFIG = "generation_config.json"
 #: The oldest torch whose ``weights_only`` unpickler has no known way to run code
 #: (CVE-2025-32434 was fixed in 2.6.0).
 SAFE_UNPICKLER = (2, 6)
-#: Elements per piece when a tensor is checked for NaN/Inf (a bool temporary this large).
-CHUNK = 1 << 22
 #: safetensors' dtype names as torch's.
 SAFETENSORS_DTYPES = {
     "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
@@ -47,8 +46,6 @@ SAFETENSORS_DTYPES = {
     "U16": "uint16", "U32": "uint32", "U64": "uint64", "BOOL": "bool",
 }  # fmt: skip
 FLOATING = {"float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"}
-#: The dtypes checked for NaN/Inf as they are (others as float32, piece by piece).
-COMPUTED = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -135,31 +132,17 @@ class Weights:
         return self.load(list(self.infos))
 
 
-def _finite(t: torch.Tensor, limit: float | None) -> bool:
-    """Whether every value of ``t`` is finite (and at most ``limit`` in magnitude),
-    checked in pieces of at most :data:`CHUNK` elements: no full-size temporary."""
-    if t.dim() == 0 or t.numel() <= CHUNK:
-        x = t if t.dtype in COMPUTED else t.float()  # float8: no isfinite of its own
-        if not bool(torch.isfinite(x).all()):
-            return False
-        return limit is None or x.numel() == 0 or float(x.abs().max()) <= limit
-    rows = max(1, CHUNK // (t.numel() // t.shape[0]))
-    return all(_finite(part, limit) for part in t.split(rows))
-
-
 def finite(t: torch.Tensor) -> bool:
     """Whether a tensor holds no NaN or infinity (any non-float tensor does not), checked
     piece by piece."""
-    return not t.is_floating_point() or _finite(t, None)
+    return first_nonfinite(t) is None
 
 
 def check_finite(t: torch.Tensor, what: str) -> torch.Tensor:
     """``t``, when it holds no NaN or infinity (and, in float64, nothing beyond float32's
     range, where import puts it); a one-line error naming ``what`` otherwise."""
-    if not t.is_floating_point():
-        return t
     limit = torch.finfo(torch.float32).max if t.dtype == torch.float64 else None
-    if not _finite(t, limit):
+    if first_nonfinite(t, limit=limit) is not None:
         bad = "NaN or infinite values" if limit is None else "NaN, infinite or huge values"
         raise LlmkitError(f"{what} holds {bad}; refusing a checkpoint that cannot compute")
     return t
