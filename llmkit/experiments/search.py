@@ -48,6 +48,7 @@ from llmkit.experiments.distributions import DISTRIBUTIONS, Choice, Distribution
 from llmkit.experiments.sweep_axes import (
     METRIC_COLUMNS,
     PATH_PATTERN,
+    check_assignments,
     check_overrides,
     toml_literal,
 )
@@ -90,11 +91,7 @@ class SearchSpec(BaseModel):
     @field_validator("set")
     @classmethod
     def _assignments(cls, sets: list[str]) -> list[str]:
-        for a in sets:
-            key, sep, _ = a.partition("=")
-            if not sep or not PATH_PATTERN.fullmatch(key.strip()):
-                raise ValueError(f"{a!r}: expected KEY=VALUE, e.g. train.max_steps=200")
-        return sets
+        return check_assignments(sets)
 
     @field_validator("params")
     @classmethod

@@ -71,6 +71,16 @@ class _Table(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False, populate_by_name=True)
 
 
+def check_assignments(sets: list[str]) -> list[str]:
+    """``sets`` when each is ``KEY=VALUE`` with a spec path for a key (a sweep's or a search's
+    ``set``); a ValueError naming the first that is not."""
+    for s in sets:
+        key, sep, _ = s.partition("=")
+        if not sep or not PATH_PATTERN.fullmatch(key.strip()):
+            raise ValueError(f"{s!r}: expected KEY=VALUE, e.g. train.max_steps=200")
+    return sets
+
+
 def spaced(lo: float, hi: float, num: int, *, log: bool, integer: bool) -> list[Any]:
     """``num`` values from ``lo`` to ``hi`` (both included), evenly spaced in log space or
     linearly, rounded to :data:`RANGE_DIGITS` significant digits or to integers (repeats
@@ -252,11 +262,7 @@ class SweepFile(_Table):
     @field_validator("overrides")
     @classmethod
     def _assignments(cls, sets: list[str]) -> list[str]:
-        for s in sets:
-            key, sep, _ = s.partition("=")
-            if not sep or not PATH_PATTERN.fullmatch(key.strip()):
-                raise ValueError(f"{s!r}: expected KEY=VALUE, e.g. train.max_steps=200")
-        return sets
+        return check_assignments(sets)
 
     @model_validator(mode="after")
     def _axes(self) -> SweepFile:

@@ -155,3 +155,23 @@ def check_export(tmp_path: Path, raw: dict[str, Any], model_cls: str) -> dict[st
     ids = torch.tensor(prompts(rs.model.vocab_size, lengths=(19, 19)))
     assert max_logit_gap(back, model, ids) <= TOL
     return cfg
+
+
+def save_tokenizer(path: Path, text: str, vocab_size: int) -> int:
+    """A small byte-level BPE with EOS and BOS, trained on ``text``'s lines and saved as
+    transformers would; its size."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>", "<s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(text.splitlines(), trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", bos_token="<s>")
+    fast.save_pretrained(path)
+    return tok.get_vocab_size()

@@ -13,28 +13,14 @@ import torch
 
 from llmkit.cli.app import main
 from llmkit.interop import hf_files
+from tests.interop import hf_parity
 from tests.interop.hf_parity import make_hf
 
 TEXT = "\n".join(f"def f{i}(x):\n    return x * {i} + {i % 7}" for i in range(200))
 
 
 def save_tokenizer(path: Path) -> int:
-    """A small byte-level BPE with EOS and BOS, saved as transformers would; its size."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300,
-        special_tokens=["<|endoftext|>", "<s>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tok.train_from_iterator(TEXT.splitlines(), trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", bos_token="<s>")
-    fast.save_pretrained(path)
-    return tok.get_vocab_size()
+    return hf_parity.save_tokenizer(path, TEXT, vocab_size=300)
 
 
 @pytest.fixture(scope="module")
