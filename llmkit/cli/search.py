@@ -63,10 +63,10 @@ def run_search_command(args: argparse.Namespace) -> int:
         check_search,
         check_seed,
         default_out,
-        open_given_storage,
         prepare_search,
         run_search,
     )
+    from llmkit.experiments.search_storage import open_given_storage
     from llmkit.experiments.trial import threads_per_worker
 
     search, base = prepare_search(
