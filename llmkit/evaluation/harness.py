@@ -228,7 +228,7 @@ class LlmkitLM(LM):
         """The log-probability of each request's whole text, every token scored once from
         the document start (the tokenizer's EOS) in windows of ``max_length``; an empty text
         scores 0, as in lm-eval."""
-        from llmkit.data.tokenizer import encode_long
+        from llmkit.data.long_text import encode_long
 
         out = []
         for req in requests:
@@ -316,7 +316,7 @@ class LlmkitLM(LM):
     def _prompt(self, context: str, keep: int) -> list[int]:
         """The last ``keep`` token ids of ``context`` (empty: the generator starts it from
         the EOS)."""
-        from llmkit.data.tokenizer import encode_long
+        from llmkit.data.long_text import encode_long
 
         ids = encode_long(self.tokenizer, context).tolist() if context else []
         return ids[-keep:]

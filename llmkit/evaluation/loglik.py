@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from llmkit.data.tokenizer import encode_long
+from llmkit.data.long_text import encode_long
 
 #: A context shared by at least this many requests goes through the KV cache.
 SHARED_CONTEXT_MIN = 2

@@ -289,9 +289,9 @@ def _link_files(src: Path, dst: Path) -> None:
 def file_text(run: Any, path: Path, what: str = "--data") -> EvalText:
     """A UTF-8 text file in the run's tokenizer; errors name the file as ``what``, and
     characters the tokenizer does not know are logged as a note. Any size is read in
-    bounded memory beside the text: encoded in pieces (:func:`~llmkit.data.tokenizer.encode_long`)
+    bounded memory beside the text: encoded in pieces (:func:`~llmkit.data.long_text.encode_long`)
     into int32 ids, its bytes and words counted piece by piece."""
-    from llmkit.data.tokenizer import encode_long
+    from llmkit.data.long_text import encode_long
     from llmkit.files import read_utf8
 
     if path.is_dir():

@@ -110,7 +110,7 @@ class Generator:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("text prompts need a tokenizer; pass token ids instead")
-            from llmkit.data.tokenizer import encode_long  # any length, in bounded pieces
+            from llmkit.data.long_text import encode_long  # any length, in bounded pieces
 
             ids = encode_long(self.tokenizer, prompt).tolist() if prompt else []
         else:

@@ -17,13 +17,11 @@ import numpy as np
 import pytest
 
 from llmkit.data.chat import MAX_CONVERSATION_CHARS, ChatEncoder
+from llmkit.data.long_text import CHUNK_CHARS, encode_long, split_text
 from llmkit.data.tokenizer import (
-    CHUNK_CHARS,
     Tokenizer,
     build_tokenizer,
-    encode_long,
     read_config,
-    split_text,
     train_bpe,
     train_char,
 )
