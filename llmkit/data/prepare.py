@@ -14,13 +14,14 @@ import json
 import shutil
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from llmkit.data.chat import ChatEncoder, ChatTemplateError
+from llmkit.data.mixture import DataPart, prepare_mixture
 from llmkit.data.samplers import padded_examples, trainable_blocks
 from llmkit.data.store import DataStore, recipe_key
 from llmkit.data.tokenizer import UNK, Tokenizer, build_tokenizer, on_terminal
@@ -55,6 +56,9 @@ class PreparedData:
     source_description: str
     cache_dir: Path | None = None
     key: str = ""
+    #: ``data.mixture``'s sources, each prepared on its own (``train``/``validation`` are
+    #: then the first one's); empty for a single source.
+    parts: list[DataPart] = field(default_factory=list)
 
 
 @contextmanager
@@ -104,7 +108,30 @@ def prepare_data(
     Progress bars of the libraries it calls (``datasets``' loading and tokenizing) show on
     a terminal only (:func:`library_progress_bars`)."""
     with library_progress_bars():
+        if rs.mixture:
+            return _prepare_mixture(rs, Path(run_dir), tokenizer, log)
         return _prepare_data(rs, Path(run_dir), tokenizer, log)
+
+
+def _prepare_mixture(
+    rs: ResolvedSpec, run_dir: Path, tokenizer: Tokenizer | None, log: Callable[[str], None]
+) -> PreparedData:
+    """``data.mixture``: every source prepared as a spec of its own, one tokenizer for all."""
+    tokenizer, parts = prepare_mixture(rs, run_dir, tokenizer, log, _prepare_data_logged)
+    first = parts[0]
+    description = "mixture: " + "; ".join(f"{p.name} ({p.description})" for p in parts)
+    key = hashlib.sha256(
+        json.dumps([[p.name, str(p.train.path)] for p in parts]).encode()
+    ).hexdigest()[:12]
+    return PreparedData(
+        tokenizer, first.train, first.validation, description, first.train.path.parent, key, parts
+    )
+
+
+def _prepare_data_logged(
+    rs: ResolvedSpec, run_dir: Path, tokenizer: Tokenizer, *, log: Callable[[str], None]
+) -> PreparedData:
+    return _prepare_data(rs, run_dir, tokenizer, log)
 
 
 def _prepare_data(

@@ -123,6 +123,18 @@ def _number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
+def _position(value: Any, depth: int = 0) -> bool:
+    """A sampler's position: tables and lists (a mixture's per source, a stream's per
+    worker) down to counts, finite numbers and strings."""
+    if depth > 8:
+        return False
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _position(v, depth + 1) for k, v in value.items())
+    if isinstance(value, list):
+        return all(_position(v, depth + 1) for v in value)
+    return _count(value) or _number(value) or isinstance(value, str)
+
+
 def check_state(state: Any, path: Path) -> None:
     """A ``state.pt`` that loaded must hold what the trainer restores, with the right types:
     :class:`DamagedCheckpoint` naming the first field that does not."""
@@ -140,7 +152,7 @@ def check_state(state: Any, path: Path) -> None:
     if not (_number(state.get("elapsed")) and state["elapsed"] >= 0):
         raise bad("elapsed", f"is {state.get('elapsed')!r}, not a number of seconds")
     data = state.get("data")
-    if not isinstance(data, dict) or not all(_count(v) for v in data.values()):
+    if not isinstance(data, dict) or not _position(data):
         raise bad("data", f"is {data!r}, not a data position")
     best = state.get("best_val")
     if best is not None and not _number(best):

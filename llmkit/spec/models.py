@@ -184,8 +184,56 @@ class TokenizerSpec(Strict):
         return tokens
 
 
+#: A mixture part's name: it names metrics (``val_loss/<name>``) and cached files.
+MIXTURE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+MAX_MIXTURE = 64
+
+
+class MixtureEntry(Strict):
+    """One source of a mixture and its share of the training tokens."""
+
+    name: str | None = Field(
+        None,
+        description="Names the source in metrics (val_loss/<name>) and logs; default the "
+        "source's component name.",
+    )
+    source: ComponentRef = Field(description="A corpus source (see `llmkit list dataset`).")
+    weight: float = Field(
+        gt=0, le=1e9, description="Relative share of training tokens (normalised to sum 1)."
+    )
+
+    @field_validator("name")
+    @classmethod
+    def _plain_name(cls, name: str | None) -> str | None:
+        if name is not None and not MIXTURE_NAME.fullmatch(name):
+            raise ValueError(
+                f"{name!r}: a mixture name is 1-64 letters, digits, '_', '.' or '-', "
+                "starting with a letter or digit"
+            )
+        return name
+
+    @property
+    def label(self) -> str:
+        return self.name or self.source.name
+
+
 class DataSpec(Strict):
     """Where the corpus comes from and how it is cut into blocks."""
+
+    mixture: list[MixtureEntry] = Field(
+        default_factory=list,
+        max_length=MAX_MIXTURE,
+        description="Several sources, each tokenized and cached on its own, sampled by weight "
+        "(data.source, written or inherited, is then unused); validation reports each one "
+        "(val_loss/<name>) and the weighted mix. Weights may change when a run is resumed "
+        "(a curriculum).",
+    )
+    document_mask: bool = Field(
+        False,
+        description="In packed rows, attention does not cross document boundaries (a token "
+        "after the tokenizer's EOS starts a new document) and positions restart per "
+        "document, as Llama 3 trains.",
+    )
 
     block_size: int | None = Field(
         None, gt=0, description="Tokens per training sequence; default model.max_seq_len."
@@ -215,6 +263,27 @@ class DataSpec(Strict):
         "random: windows starting anywhere, drawn independently (as nanoGPT); padded: one "
         "document (conversation) per row, cut to the block and padded with ignored targets.",
     )
+
+    @field_validator("mixture")
+    @classmethod
+    def _distinct_sources(cls, mixture: list[MixtureEntry]) -> list[MixtureEntry]:
+        names: dict[str, int] = {}
+        sources: dict[str, int] = {}
+        for i, entry in enumerate(mixture):
+            key = repr(sorted({"name": entry.source.name, **entry.source.options}.items()))
+            if key in sources:
+                raise ValueError(
+                    f"entries {sources[key]} and {i} name one source twice "
+                    f"({entry.source.name!r} with the same options)"
+                )
+            sources[key] = i
+            if entry.label in names:
+                raise ValueError(
+                    f"entries {names[entry.label]} and {i} are both called {entry.label!r}: "
+                    "give each a distinct name"
+                )
+            names[entry.label] = i
+        return mixture
 
 
 class DistillSpec(Strict):

@@ -25,7 +25,7 @@ from llmkit.spec.models import (
     is_layer_selector,
 )
 from llmkit.spec.problems import fields_at
-from llmkit.spec.resolved import LayerPlan, Resolved, ResolvedSpec
+from llmkit.spec.resolved import LayerPlan, MixturePart, Resolved, ResolvedSpec
 from llmkit.spec.sections import (
     cached_spec_model,
     default_names,
@@ -183,6 +183,9 @@ def resolve(data: dict[str, Any], source: str | None = None, registry: Any = Non
     _check_requires(data.get("requires", []), source, registry)
     problems: list[str] = _norm_placement_block(data, registry)
     default_names(data, registry)
+    if isinstance(data.get("data"), dict) and data["data"].get("mixture"):
+        # a mixture names its sources: data.source (the default, or a base spec's) is unused
+        data["data"].pop("source", None)
     spec_cls = cached_spec_model(registry)
 
     spec: Spec | None = None
@@ -209,6 +212,14 @@ def resolve(data: dict[str, Any], source: str | None = None, registry: Any = Non
     loggers = [
         r.ref(LOGGER_KIND, raw, f"train.loggers[{i}]")
         for i, raw in enumerate(raw_loggers if isinstance(raw_loggers, list) else [])
+    ]
+
+    raw_data = data.get("data") if isinstance(data.get("data"), dict) else {}
+    raw_mixture = raw_data.get("mixture")
+    mixture: list[tuple[Any, Resolved | None]] = [
+        (raw, r.ref("dataset", raw.get("source"), f"data.mixture[{i}].source"))
+        for i, raw in enumerate(raw_mixture if isinstance(raw_mixture, list) else [])
+        if isinstance(raw, dict)
     ]
 
     n_layers = raw_model.get("n_layers")
@@ -259,6 +270,11 @@ def resolve(data: dict[str, Any], source: str | None = None, registry: Any = Non
         source=source,
         raw=data,
         loggers=[res for res in loggers if res is not None],
+        mixture=[
+            MixturePart(entry.label, entry.weight, res)
+            for entry, (_, res) in zip(spec.data.mixture, mixture, strict=True)
+            if res is not None
+        ],
     )
 
 

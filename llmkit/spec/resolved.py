@@ -30,6 +30,15 @@ class Resolved:
         return self.record.load()(*args, **kwargs)
 
 
+@dataclass
+class MixturePart:
+    """One source of ``data.mixture``: its name, its weight as written, its source."""
+
+    name: str
+    weight: float
+    source: Resolved
+
+
 class LayerPlan:
     """The components of one layer by slot: ``attention``, ``ffn``, ``norm``, ``position``
     and any per-layer kind a plugin declares, each readable as an attribute."""
@@ -68,6 +77,8 @@ class ResolvedSpec:
     raw: dict[str, Any] = field(default_factory=dict)
     #: ``train.loggers``, resolved (kind ``logger``), in the spec's order.
     loggers: list[Resolved] = field(default_factory=list)
+    #: ``data.mixture``, resolved (kind ``dataset``), in the spec's order; empty without one.
+    mixture: list[MixturePart] = field(default_factory=list)
 
     @property
     def model(self) -> ModelSpec:
@@ -92,6 +103,20 @@ class ResolvedSpec:
     @property
     def dataset(self) -> Resolved | None:
         return self.component("dataset")
+
+    def with_source(self, source: Resolved) -> ResolvedSpec:
+        """A copy whose ``data.source`` is ``source`` and which has no mixture: one part of
+        a mixture, prepared as a spec of its own."""
+        components = {k: v for k, v in self.components.items() if v.kind != "dataset"}
+        components["data.source"] = source  # the dataset kind's section
+        raw = copy.deepcopy(self.raw)
+        data = raw.setdefault("data", {})
+        data.pop("mixture", None)
+        data["source"] = source.to_dict()
+        spec = self.spec.model_copy(
+            update={"data": self.spec.data.model_copy(update={"mixture": []})}
+        )
+        return dataclasses.replace(self, spec=spec, raw=raw, components=components, mixture=[])
 
     def component(self, kind: str) -> Resolved | None:
         """The spec's component of a kind that is not chosen per layer (None if absent)."""
@@ -140,4 +165,10 @@ class ResolvedSpec:
             set_at(out, section, res.to_dict())
         if self.loggers:
             out["train"]["loggers"] = [res.to_dict() for res in self.loggers]
+        if self.mixture:
+            out["data"]["mixture"] = [
+                {"name": p.name, "source": p.source.to_dict(), "weight": p.weight}
+                for p in self.mixture
+            ]
+            out["data"].pop("source", None)
         return out

@@ -32,6 +32,7 @@ from llmkit.runs.checkpoints import Checkpoints, rng_state, save_weights
 from llmkit.runs.lock import RunInUse, RunLock
 from llmkit.runs.metrics import RunLog
 from llmkit.spec import ResolvedSpec
+from llmkit.training import batches
 from llmkit.training.plan import RunPlan
 from llmkit.training.progress import ProgressDisplay, StopSignals
 from llmkit.training.step import StepResult, TrainStep, resolve_precision
@@ -133,7 +134,7 @@ class Trainer:
 
     # -- set-up ------------------------------------------------------------------------------
     def _setup(self) -> None:
-        from llmkit.data import eval_rows, make_sampler, prepare_data
+        from llmkit.data import prepare_data
 
         t = self.t
         if self.strategy is None:
@@ -173,18 +174,16 @@ class Trainer:
 
         # ≤ max_seq_len: the spec's validation checks it.
         self.block_size = self.rs.spec.data.block_size or self.rs.model.max_seq_len
-        self.sampler = make_sampler(
+        self.sampler = batches.training_sampler(
+            data,
             self.rs.spec.data.sampling,
-            data.train,
             self.block_size,
             t.seed,
             rank=strategy.rank,
             world_size=strategy.world_size,
             pin_memory=self.device.type == "cuda",  # copied to the GPU without waiting
         )
-
-        # Evaluation needs one validation block: fail now, not after the first eval_interval.
-        eval_rows(data.validation, self.block_size)
+        batches.check_validation(data, self.block_size)
 
         torch.manual_seed(t.seed)  # the same initial weights on every rank
         # (a resumed run restores its own weights: ``init`` is then only an adapted run's base)
@@ -277,6 +276,9 @@ class Trainer:
         for group, hyper in zip(self.optimizer.param_groups, hypers, strict=True):
             group.update(hyper)
         self.sampler.load_state_dict(state["data"])
+        change = getattr(self.sampler, "change", None)
+        if change:
+            self.log(change)
         self.step, self.tokens = int(state["step"]), int(state["tokens"])
         # (a checkpoint from before trained tokens were counted: its tokens, all taken as
         # trained)
@@ -317,7 +319,7 @@ class Trainer:
         self.log(
             f"model: {self.model.num_params():,} parameters, {len(self.model.layers)} layers; "
             f"device {self.device}, precision {self.precision}; "
-            f"{len(self.data.train):,} train / {len(self.data.validation):,} val tokens"
+            "{:,} train / {:,} val tokens".format(*batches.token_counts(self.data))
         )
         ckpt_every = t.checkpoint_interval or t.eval_interval
         stopped = "max_steps"
@@ -395,6 +397,10 @@ class Trainer:
         finally:
             display.close()
             self.signals.restore()
+        describe = getattr(self.sampler, "describe_shares", None)
+        if describe is not None:
+            counts = [len(p.train) for p in self.data.parts]
+            self.log(f"data: mixture shares over the run: {describe(self.block_size, counts)}")
         model = self._finish(history)
         return TrainResult(
             self.run_dir,
@@ -508,30 +514,26 @@ class Trainer:
         """The objective on the validation set and whether it is the best so far; the
         cross-entropy beside it (``self.last_ce``). "Best", early stopping and ``on_eval``
         follow the objective, the quantity minimized (the cross-entropy is what the log
-        and ``llmkit compare`` lead with). The single-process evaluation set
-        (batches of batch_size × world_size blocks), each batch's rows dealt out to the
-        ranks, the token-weighted sums added."""
-        from llmkit.data import eval_batches
-        from llmkit.evaluation.perplexity import evaluate_batches
-
-        t, strategy = self.t, self.strategy
-        batches = eval_batches(
-            self.data.validation,
-            self.block_size,
-            t.batch_size * strategy.world_size,
-            t.eval_batches,
-        )
-        counted, padding = strategy.eval_shares(batches)
-        amp = hardware.autocast(self.device, self.precision)
-        if padding:
-            evaluate_batches(self.model, padding, self.device, amp, self.objective)
-        res = evaluate_batches(self.model, counted, self.device, amp, self.objective)
-        total, ce_total, count = strategy.sum(
-            [res.loss * res.tokens, res.ce * res.tokens, res.tokens]
-        )
-        loss, ce = total / max(count, 1), ce_total / max(count, 1)
+        and ``llmkit compare`` lead with). A mixture is evaluated on each source
+        (``val_loss/<name>``, ``val_ce/<name>``, the evaluation batches shared out among
+        them) and on their mix, the per-source losses weighted as training draws them."""
+        t = self.t
+        sets = batches.validation_sets(self.data)
+        per_source: dict[str, float] = {}
+        if len(sets) == 1:
+            loss, ce = self._validation_loss(sets[0].tokens, t.eval_batches)
+        else:  # a mixture: each source, and the mix weighted as training draws it
+            n = max(1, math.ceil(t.eval_batches / len(sets)))
+            loss = ce = 0.0
+            for v in sets:
+                part_loss, part_ce = self._validation_loss(v.tokens, n)
+                loss, ce = loss + v.weight * part_loss, ce + v.weight * part_ce
+                per_source[f"val_loss/{v.name}"] = round(part_loss, 6)
+                per_source[f"val_ce/{v.name}"] = round(part_ce, 6)
+            shares = getattr(self.sampler, "shares", dict)()  # of the rows drawn so far
+            per_source.update({f"share/{k}": round(v, 6) for k, v in shares.items()})
         if not math.isfinite(loss):  # never "best", never saved
-            if strategy.is_main:
+            if self.strategy.is_main:
                 self.metrics.write({"step": self.step, "val_loss": loss})
             raise NonFiniteLoss(
                 f"non-finite validation loss ({loss}) at step {self.step}; stopped without "
@@ -551,15 +553,40 @@ class Trainer:
             "val_ce": round(ce, 6),
             "val_ppl": round(math.exp(min(ce, 80.0)), 4),
             "best_val_loss": round(self.best_val, 6),
+            **per_source,
         }
-        if strategy.is_main:
+        if self.strategy.is_main:
             self.metrics.write(record)
         history.append(record)
         self.log(
             f"step {self.step}: "
             f"{val_line(ce, loss, self.objective_name)}{' (best)' if improved else ''}"
+            + "".join(
+                f"; {k.split('/', 1)[1]} {v:.4f}"
+                for k, v in per_source.items()
+                if k.startswith("val_ce/")
+            )
         )
         return loss, improved
+
+    def _validation_loss(self, tokens: Any, n_batches: int) -> tuple[float, float]:
+        """The objective and the cross-entropy on ``n_batches`` validation batches of
+        ``tokens``: the single-process evaluation set (batches of batch_size × world_size
+        blocks), each batch's rows dealt out to the ranks, the token-weighted sums added."""
+        from llmkit.data import eval_batches
+        from llmkit.evaluation.perplexity import evaluate_batches
+
+        t, strategy = self.t, self.strategy
+        rows = eval_batches(tokens, self.block_size, t.batch_size * strategy.world_size, n_batches)
+        counted, padding = strategy.eval_shares(rows)
+        amp = hardware.autocast(self.device, self.precision)
+        if padding:
+            evaluate_batches(self.model, padding, self.device, amp, self.objective)
+        res = evaluate_batches(self.model, counted, self.device, amp, self.objective)
+        total, ce_total, count = strategy.sum(
+            [res.loss * res.tokens, res.ce * res.tokens, res.tokens]
+        )
+        return total / max(count, 1), ce_total / max(count, 1)
 
     def _early_stop(self) -> bool:
         patience = self.t.early_stopping_patience
