@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
@@ -256,6 +257,15 @@ def validation_text(run: Any) -> EvalText:
         _link_files(own, data)
         rs = run.spec.with_settings({"data.cache_dir": str(data)})
         prepared = prepare_data(rs, scratch, run.tokenizer, log=lambda _m: None)
+        if prepared.parts:  # a mixture: every source's validation split, one after another
+            vals = [p.validation for p in prepared.parts]
+            ids = torch.cat([torch.from_numpy(np.asarray(v.array).astype("int32")) for v in vals])
+            counted = [v.n_bytes_text for v in vals]
+            n_bytes = None if None in counted else sum(counted)
+            names = ", ".join(p.name for p in prepared.parts)
+            what = f"validation splits of the mixture ({names}), concatenated"
+            shutil.rmtree(scratch, ignore_errors=True)
+            return EvalText(ids, n_bytes, None, what)
         val = prepared.validation
         if val.has_mask or val.layout != "packed":  # read later: the scratch stays till then
             return EvalText(val, None, None, "validation split (trained tokens)", scratch)

@@ -8,7 +8,7 @@ import pytest
 import torch
 import yaml
 
-from llmkit.data import BlockSampler, make_sampler
+from llmkit.data import BlockSampler, TokenFile, make_sampler
 from llmkit.data.mixture import MixtureSampler, deal_rows, interleave_by_bytes, normalised
 from llmkit.errors import LlmkitError, SpecError
 from llmkit.spec import load_spec_dict
@@ -193,7 +193,7 @@ def _two_corpora(tmp_path):
     prose = ("the cat sat on the mat and the dog lay by the door. " * 40 + "\n") * 30
     code = ("def f(x):\n    return x * 2 + 1\n\n" * 30 + "\n") * 30
     spec_path = write_train_spec(
-        tmp_path, prose, max_steps=24, eval_interval=8, checkpoint_interval=4, batch_size=5
+        tmp_path, prose, max_steps=16, eval_interval=8, checkpoint_interval=4, batch_size=5
     )
     (tmp_path / "code.txt").write_text(code)
     spec = yaml.safe_load(spec_path.read_text())
@@ -218,7 +218,7 @@ def _two_corpora(tmp_path):
 def test_a_mixture_trains_reports_each_source_and_resumes_exactly(tmp_path):
     spec = _two_corpora(tmp_path)
     full, run, killed_at = train_killed_and_resumed(spec, tmp_path, kill_at=8)
-    assert killed_at < 24
+    assert killed_at < 16
     full_m, run_m = read_metrics(full), read_metrics(run)
     assert [(m["step"], m["loss"]) for m in run_m if "loss" in m] == [
         (m["step"], m["loss"]) for m in full_m if "loss" in m
@@ -234,3 +234,11 @@ def test_a_mixture_trains_reports_each_source_and_resumes_exactly(tmp_path):
     assert last["val_ce"] == pytest.approx(mixed, abs=2e-6)
     assert last["share/prose"] == pytest.approx(0.6, abs=0.01)
     assert last["share/code"] == pytest.approx(0.4, abs=0.01)
+    # llmkit eval of a mixture run reads every source's validation split
+    from llmkit.evaluation.perplexity import validation_text
+    from llmkit.runs import load_run
+
+    text = validation_text(load_run(full))
+    assert "mixture (prose, code)" in text.source
+    sizes = [len(TokenFile(p)) for p in (full / "data").glob("validation-*.bin")]
+    assert len(sizes) == 2 and len(text.tokens) == sum(sizes)
