@@ -3,7 +3,11 @@ or a mixture's samplers, one per source) and the validation sets it is evaluated
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from llmkit.data import PreparedData, TokenFile, eval_rows, make_sampler
@@ -60,3 +64,33 @@ def token_counts(data: PreparedData) -> tuple[int, int]:
     if not data.parts:
         return len(data.train), len(data.validation)
     return sum(len(p.train) for p in data.parts), sum(len(p.validation) for p in data.parts)
+
+
+#: ``LLMKIT_DATA_TRACE=DIR`` makes every rank append a line per training batch to
+#: ``DIR/rank-<N>.jsonl`` (the step and a hash of each row's input ids): a test aid that
+#: shows which rows each rank read.
+TRACE_ENV = "LLMKIT_DATA_TRACE"
+
+
+class TracedSampler:
+    """A sampler whose batches are written down as they are drawn (:data:`TRACE_ENV`)."""
+
+    def __init__(self, sampler: Any, path: Path) -> None:
+        self.sampler, self.path = sampler, path
+        path.parent.mkdir(parents=True, exist_ok=True)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.sampler, name)
+
+    def next_batch(self, batch_size: int) -> Any:
+        batch = self.sampler.next_batch(batch_size)
+        rows = [hashlib.sha1(row.numpy().tobytes()).hexdigest()[:16] for row in batch[0].cpu()]
+        with self.path.open("a") as f:
+            f.write(json.dumps({"rows": rows}) + "\n")
+        return batch
+
+
+def traced(sampler: Any, rank: int) -> Any:
+    """``sampler``, traced when :data:`TRACE_ENV` names a directory."""
+    where = os.environ.get(TRACE_ENV)
+    return TracedSampler(sampler, Path(where) / f"rank-{rank}.jsonl") if where else sampler

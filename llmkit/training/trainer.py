@@ -183,6 +183,7 @@ class Trainer:
             world_size=strategy.world_size,
             pin_memory=self.device.type == "cuda",  # copied to the GPU without waiting
         )
+        self.sampler = batches.traced(self.sampler, strategy.rank)
         batches.check_validation(data, self.block_size)
 
         torch.manual_seed(t.seed)  # the same initial weights on every rank
