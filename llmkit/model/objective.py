@@ -50,14 +50,26 @@ class ObjectiveOutput:
 class Objective:
     """The model's cross-entropy (``loss`` None), or a ``loss`` component on its logits."""
 
-    def __init__(self, loss: nn.Module | None = None) -> None:
+    def __init__(self, loss: nn.Module | None = None, *, document_eos: int | None = None) -> None:
         self.loss = loss
+        #: ``data.document_mask``: the tokenizer's EOS, after which a packed row's next
+        #: document starts; the model then attends within documents only.
+        self.document_eos = document_eos
 
     @classmethod
-    def from_spec(cls, rs: Any) -> Objective:
-        """The objective a resolved spec chooses."""
+    def from_spec(cls, rs: Any, *, document_eos: int | None = None) -> Objective:
+        """The objective a resolved spec chooses (``document_eos``: see the attribute)."""
         res = rs.components.get(LOSS_SECTION)
-        return cls(res.build(res.options) if res is not None else None)
+        return cls(res.build(res.options) if res is not None else None, document_eos=document_eos)
+
+    def model_inputs(self, x: Tensor) -> dict[str, Tensor]:
+        """Keyword arguments of the model beside the tokens: ``document_ids`` of packed
+        rows under ``data.document_mask``, else none."""
+        if self.document_eos is None:
+            return {}
+        from llmkit.model.documents import document_ids_from_eos
+
+        return {"document_ids": document_ids_from_eos(x, self.document_eos)}
 
     @property
     def is_cross_entropy(self) -> bool:
@@ -80,10 +92,11 @@ class Objective:
         """The objective of ``forward`` (the model, wrapped or compiled) on inputs ``x`` and
         targets ``y``. ``cross_entropy`` also returns the model's cross-entropy when the
         objective is another loss (evaluation reports both)."""
+        kw = self.model_inputs(x)
         if self.loss is None:
-            out = forward(x, y)
+            out = forward(x, y, **kw)
             return ObjectiveOutput(out.loss, out.aux_losses, out.metrics, out.loss, out.logits)
-        out = forward(x, y) if cross_entropy else forward(x)
+        out = forward(x, y, **kw) if cross_entropy else forward(x, **kw)
         value = self.loss(out.logits, y)
         aux, metrics = dict(out.aux_losses), dict(out.metrics)
         pop = getattr(self.loss, "pop_side_outputs", None)

@@ -54,7 +54,7 @@ class Distillation(Objective):
     def __init__(
         self, base: Objective, teacher: nn.Module, *, temperature: float, alpha: float
     ) -> None:
-        super().__init__(base.loss)
+        super().__init__(base.loss, document_eos=base.document_eos)
         self.base = base
         self.teacher = teacher.eval().requires_grad_(False)
         self.temperature = temperature
@@ -83,7 +83,7 @@ class Distillation(Objective):
         if self.teacher.training:  # something switched every module to training mode
             self.teacher.eval()
         with torch.no_grad():
-            teacher_logits = self.teacher(x).logits
+            teacher_logits = self.teacher(x, **self.model_inputs(x)).logits
         kl = distillation_kl(hard.logits, teacher_logits, y, self.temperature)
         t2 = self.temperature**2
         loss = self.alpha * t2 * kl + (1 - self.alpha) * hard.loss

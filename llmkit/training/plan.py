@@ -137,7 +137,7 @@ class RunPlan:
     ) -> Objective:
         """What training minimizes: the spec's objective, wrapped to learn from the teacher
         when ``train.distill`` names one (checked against the run's tokenizer and blocks)."""
-        objective = Objective.from_spec(self.rs)
+        objective = Objective.from_spec(self.rs, document_eos=self.document_eos(tokenizer))
         distill = self.train.distill
         if distill is None:
             return objective
@@ -148,6 +148,19 @@ class RunPlan:
         return Distillation(
             objective, teacher, temperature=distill.temperature, alpha=distill.alpha
         )
+
+    def document_eos(self, tokenizer: Any) -> int | None:
+        """The EOS that separates packed documents under ``data.document_mask`` (None
+        without it); a tokenizer without one cannot mark documents."""
+        if not self.rs.spec.data.document_mask:
+            return None
+        eos = getattr(tokenizer, "eos_id", None)
+        if eos is None:
+            raise LlmkitError(
+                "data.document_mask: the tokenizer has no end-of-text token to separate "
+                "documents (tokenizer.special_tokens' first entry is that token)"
+            )
+        return int(eos)
 
     def save(self) -> None:
         """Write the plan's spec into the run (``spec.yaml``, ``resolved.json``)."""
