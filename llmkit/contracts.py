@@ -137,6 +137,14 @@ class AttentionKernel(nn.Module):
     ``Tk - Tq + i`` (bottom-right alignment), which is how a KV cache presents keys.
     ``key_padding_mask`` (B, Tk) is True where a key may be attended (left padding).
     Returns (B, Hq, Tq, D).
+
+    **Document masking** (packed training rows, as Llama 3 trains): a kernel that sets
+    ``supports_document_mask = True`` also takes ``document_ids`` (B, Tk), an integer id per
+    key, non-decreasing along each row (queries take the ids of the last Tq keys); a query then
+    attends only keys of its own document, on top of every other mask (causal, window,
+    padding). The model passes ``document_ids=`` only when it has some, so a kernel without the
+    keyword keeps working; but a model given document ids refuses (one ``LlmkitError`` naming
+    the component, before any layer runs) every kernel that does not declare support.
     """
 
     #: Keys a KV cache must keep; ``None`` keeps everything (sliding windows set W).
@@ -148,6 +156,8 @@ class AttentionKernel(nn.Module):
     #: interchangeable at the same window and softcap (a Hugging Face export compares them
     #: so).
     full_causal: ClassVar[bool] = False
+    #: The kernel honours ``document_ids`` (see above); False refuses packed documents.
+    supports_document_mask: ClassVar[bool] = False
 
     def __init__(self, options: ComponentOptions, ctx: BuildContext) -> None:
         super().__init__()
@@ -163,6 +173,7 @@ class AttentionKernel(nn.Module):
         causal: bool = True,
         bias: DistanceBias | None = None,
         key_padding_mask: Tensor | None = None,
+        document_ids: Tensor | None = None,
     ) -> Tensor:  # pragma: no cover - interface
         raise NotImplementedError
 
@@ -207,6 +218,9 @@ class AttentionInputs:
     positions: Tensor  # absolute positions, (T,) or (B, T)
     cache: Any = None  # the layer's KV cache (llmkit.model.LayerCache) while decoding
     key_padding_mask: Tensor | None = None  # (B, T) of this call, True = real token
+    #: (B, T) int document of each token, non-decreasing per row (packed rows; no KV cache):
+    #: attention stays inside a document (``AttentionKernel.supports_document_mask``).
+    document_ids: Tensor | None = None
 
 
 @dataclass

@@ -169,9 +169,10 @@ def dropout_attention(
     causal: bool = True,
     bias: DistanceBias | None = None,
     key_padding_mask: Tensor | None = None,
+    document_ids: Tensor | None = None,
 ) -> Tensor:
     """Kernel-contract attention (as :func:`llmkit.ops.sdpa_attention`: bottom-right causal
-    alignment, GQA, a distance bias, key padding) with dropout ``dropout_p`` on the
+    alignment, GQA, a distance bias, key padding, documents) with dropout ``dropout_p`` on the
     probabilities; see the module docstring."""
     groups = check_shapes(q, k, v)
     dtype = q.dtype
@@ -181,7 +182,14 @@ def dropout_attention(
     # A distance bias in the softmax's dtype; a 0/−inf mask, exact in bf16, in q's own.
     wide = _wide(q.dtype)
     like_q = q.new_empty(1, 1, tq, 0, dtype=wide)  # what sdpa_mask reads: length, device, dtype
-    mask, empty = sdpa_mask(like_q, tk, causal=causal, bias=bias, key_padding_mask=key_padding_mask)
+    mask, empty = sdpa_mask(
+        like_q,
+        tk,
+        causal=causal,
+        bias=bias,
+        key_padding_mask=key_padding_mask,
+        document_ids=document_ids,
+    )
     # Additive, (B or 1, H or 1, Tq, Tk): the bias, or 0 / −inf from a boolean mask.
     if mask is None:
         additive = q.new_zeros(1, 1, tq, tk)

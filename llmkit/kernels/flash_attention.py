@@ -36,6 +36,15 @@ whose window reaches its keys, so the work is O(L·W). W is a runtime argument: 
 one compiled kernel (apart from Triton's own specializations of the value 1 and of multiples
 of 16), and ``HAS_WINDOW`` removes all of it from the kernels compiled without a window.
 
+Packed documents (``document_ids`` (B, Tk), non-decreasing per row; varlen attention as in
+FlashAttention-2's ``cu_seqlens``, but per row of a fixed-shape batch): the launcher turns
+them into each key's document span, (B, 2, Tk) int32 (first key, one past the last), and a
+query at p keeps keys in ``[start(p), end(p))``. The forward and dQ programs start at the key
+block of their first query's document start (whole earlier documents are skipped) and, when
+not causal, stop at their last query's document end; a dK/dV program stops after the last
+query of its last key's document. Only blocks that cross a document boundary are masked
+(``HAS_DOCS``, compiled out without documents).
+
 GQA/MQA: K and V are never repeated in memory. Query head ``h`` reads kv head
 ``h // groups``. The dK/dV program of a kv head loops over the ``groups`` query heads of its
 group and sums their contributions in registers before one store: deterministic and with no
@@ -64,7 +73,7 @@ from torch import Tensor
 
 from llmkit.contracts import DistanceBias
 from llmkit.kernels import runtime
-from llmkit.ops import check_shapes, sdpa_attention
+from llmkit.ops import check_document_ids, check_shapes, document_bounds, sdpa_attention
 
 __all__ = [
     "SUPPORTED_DTYPES",
@@ -98,6 +107,7 @@ def _fwd_kernel(
     LSE,
     SLOPES,
     KPM,
+    DOCS,
     stride_qb,
     stride_qh,
     stride_qm,
@@ -115,6 +125,7 @@ def _fwd_kernel(
     stride_om,
     stride_od,
     stride_kpm,
+    stride_docb,
     H,
     TQ,
     TK,
@@ -126,6 +137,7 @@ def _fwd_kernel(
     HAS_BIAS: tl.constexpr,
     HAS_KPM: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
+    HAS_DOCS: tl.constexpr,
     PRECISION: tl.constexpr,
     SKIP_MASKS: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -167,6 +179,18 @@ def _fwd_kernel(
     # A window: start at the key block of the oldest key the first query of the block sees.
     lo = (tl.maximum(offset + start_m * BLOCK_M - WINDOW + 1, 0) // BLOCK_N) * BLOCK_N
     lo = lo if HAS_WINDOW else 0
+    if HAS_DOCS:
+        # Packed documents: row 0 of DOCS holds the first key of each key's document, row 1
+        # one past its last. Rows see keys in [start, end) only; the key blocks before the
+        # first row's document are skipped (and after the last row's, without causality).
+        DOCS += off_b.to(tl.int64) * stride_docb
+        q_start = tl.load(DOCS + q_pos, mask=m_valid, other=0)
+        q_end = tl.load(DOCS + TK + q_pos, mask=m_valid, other=TK)
+        lo = tl.maximum(lo, (tl.load(DOCS + offset + start_m * BLOCK_M) // BLOCK_N) * BLOCK_N)
+        if not CAUSAL:
+            hi = tl.minimum(hi, tl.max(tl.where(m_valid, q_end, 0), 0))
+        doc_lo = tl.max(q_start, 0)  # keys from here on are in every row's document …
+        doc_hi = tl.min(q_end, 0)  # … up to here
     rows_n = (lo + offs_n)[:, None].to(tl.int64)  # Tk·stride may pass 2³¹
     k_ptrs = K + rows_n * stride_kn + offs_d[None, :] * stride_kd
     v_ptrs = V + rows_n * stride_vn + offs_d[None, :] * stride_vd
@@ -191,6 +215,8 @@ def _fwd_kernel(
             edge = edge | (start_n + BLOCK_N - 1 > offset + start_m * BLOCK_M)
         if HAS_WINDOW:
             edge = edge | (start_n <= offset + (start_m + 1) * BLOCK_M - 1 - WINDOW)
+        if HAS_DOCS:
+            edge = edge | (start_n < doc_lo) | (start_n + BLOCK_N > doc_hi)
         if edge:
             keep = n_valid[None, :]
             if CAUSAL:
@@ -200,6 +226,8 @@ def _fwd_kernel(
             if HAS_KPM:
                 pad = tl.load(KPM + cols, mask=n_valid, other=0)
                 keep = keep & (pad != 0)[None, :]
+            if HAS_DOCS:
+                keep = keep & (cols[None, :] >= q_start[:, None]) & (cols[None, :] < q_end[:, None])
             s = tl.where(keep, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet
@@ -268,6 +296,7 @@ def _bwd_dkdv_kernel(
     DV,
     SLOPES,
     KPM,
+    DOCS,
     stride_qb,
     stride_qh,
     stride_qm,
@@ -293,6 +322,7 @@ def _bwd_dkdv_kernel(
     stride_dvn,
     stride_dvd,
     stride_kpm,
+    stride_docb,
     H,
     TQ,
     TK,
@@ -304,6 +334,7 @@ def _bwd_dkdv_kernel(
     HAS_BIAS: tl.constexpr,
     HAS_KPM: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
+    HAS_DOCS: tl.constexpr,
     PRECISION: tl.constexpr,
     SKIP_MASKS: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -340,6 +371,13 @@ def _bwd_dkdv_kernel(
     # stop after the last query whose window still reaches the last key of the block.
     lo = (tl.maximum(start_n - offset, 0) // BLOCK_M) * BLOCK_M if CAUSAL else 0
     hi = tl.minimum(start_n + BLOCK_N + WINDOW - 1 - offset, TQ) if HAS_WINDOW else TQ
+    if HAS_DOCS:
+        # Only queries of these keys' documents see them: from the first key's document start
+        # (the causal start is later) to the last key's document end.
+        DOCS += off_b.to(tl.int64) * stride_docb
+        hi = tl.minimum(hi, tl.load(DOCS + TK + tl.minimum(start_n + BLOCK_N, TK) - 1) - offset)
+        if not CAUSAL:
+            lo = (tl.maximum(tl.load(DOCS + start_n) - offset, 0) // BLOCK_M) * BLOCK_M
 
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
@@ -377,12 +415,20 @@ def _bwd_dkdv_kernel(
                 edge = edge | (start_n + BLOCK_N - 1 > offset + start_m)
             if HAS_WINDOW:
                 edge = edge | (start_n <= offset + start_m + BLOCK_M - 1 - WINDOW)
+            if HAS_DOCS:
+                q_start = tl.load(DOCS + q_pos, mask=m_valid, other=0)
+                q_end = tl.load(DOCS + TK + q_pos, mask=m_valid, other=TK)
+                edge = edge | (start_n < tl.max(q_start, 0))
+                edge = edge | (start_n + BLOCK_N > tl.min(q_end, 0))
             if edge:  # interior blocks need no mask (see the forward)
                 keep = keep_n[:, None] & m_valid[None, :]
                 if CAUSAL:
                     keep = keep & (cols[:, None] <= q_pos[None, :])
                 if HAS_WINDOW:
                     keep = keep & (cols[:, None] > q_pos[None, :] - WINDOW)
+                if HAS_DOCS:
+                    keep = keep & (cols[:, None] >= q_start[None, :])
+                    keep = keep & (cols[:, None] < q_end[None, :])
                 p_t = tl.where(keep, p_t, 0.0)
             dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=PRECISION)
             dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
@@ -414,6 +460,7 @@ def _bwd_dq_kernel(
     DQ,
     SLOPES,
     KPM,
+    DOCS,
     stride_qb,
     stride_qh,
     stride_qm,
@@ -435,6 +482,7 @@ def _bwd_dq_kernel(
     stride_dqm,
     stride_dqd,
     stride_kpm,
+    stride_docb,
     H,
     TQ,
     TK,
@@ -446,6 +494,7 @@ def _bwd_dq_kernel(
     HAS_BIAS: tl.constexpr,
     HAS_KPM: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
+    HAS_DOCS: tl.constexpr,
     PRECISION: tl.constexpr,
     SKIP_MASKS: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -487,6 +536,15 @@ def _bwd_dq_kernel(
     hi = tl.minimum(TK, offset + (start_m + 1) * BLOCK_M) if CAUSAL else TK
     lo = (tl.maximum(offset + start_m * BLOCK_M - WINDOW + 1, 0) // BLOCK_N) * BLOCK_N
     lo = lo if HAS_WINDOW else 0
+    if HAS_DOCS:  # as in the forward
+        DOCS += off_b.to(tl.int64) * stride_docb
+        q_start = tl.load(DOCS + q_pos, mask=m_valid, other=0)
+        q_end = tl.load(DOCS + TK + q_pos, mask=m_valid, other=TK)
+        lo = tl.maximum(lo, (tl.load(DOCS + offset + start_m * BLOCK_M) // BLOCK_N) * BLOCK_N)
+        if not CAUSAL:
+            hi = tl.minimum(hi, tl.max(tl.where(m_valid, q_end, 0), 0))
+        doc_lo = tl.max(q_start, 0)
+        doc_hi = tl.min(q_end, 0)
     rows_n = (lo + offs_n)[:, None].to(tl.int64)  # Tk·stride may pass 2³¹
     k_ptrs = K + rows_n * stride_kn + offs_d[None, :] * stride_kd
     v_ptrs = V + rows_n * stride_vn + offs_d[None, :] * stride_vd
@@ -510,6 +568,8 @@ def _bwd_dq_kernel(
             edge = edge | (start_n + BLOCK_N - 1 > offset + start_m * BLOCK_M)
         if HAS_WINDOW:
             edge = edge | (start_n <= offset + (start_m + 1) * BLOCK_M - 1 - WINDOW)
+        if HAS_DOCS:
+            edge = edge | (start_n < doc_lo) | (start_n + BLOCK_N > doc_hi)
         if edge:  # interior blocks need no mask (see the forward)
             keep = n_valid[None, :] & m_valid[:, None]
             if CAUSAL:
@@ -519,6 +579,8 @@ def _bwd_dq_kernel(
             if HAS_KPM:
                 pad = tl.load(KPM + cols, mask=n_valid, other=0)
                 keep = keep & (pad != 0)[None, :]
+            if HAS_DOCS:
+                keep = keep & (cols[None, :] >= q_start[:, None]) & (cols[None, :] < q_end[:, None])
             p = tl.where(keep, p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
         ds = p * (dp - delta[:, None])
@@ -689,6 +751,15 @@ def _padding_bytes(key_padding_mask: Tensor | None, b: int, tk: int, device) -> 
     return key_padding_mask.to(device=device, dtype=torch.uint8).contiguous()
 
 
+def _document_spans(document_ids: Tensor | None, b: int, tk: int, device) -> Tensor | None:
+    """(B, 2, Tk) int32: the first key of each key's document, and one past its last."""
+    if document_ids is None:
+        return None
+    check_document_ids(document_ids, b, tk)
+    starts, ends = document_bounds(document_ids.to(device))
+    return torch.stack((starts, ends), 1).to(torch.int32).contiguous()
+
+
 def _launch_config(
     kernel: str, d: int, dtype: torch.dtype, block_m: int, block_n: int, window: int
 ) -> BlockConfig:
@@ -706,10 +777,11 @@ def _forward(
     window: int,
     block_m: int,
     block_n: int,
+    docs: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """The forward kernel: output (B, Hq, Tq, D) in q's memory order and the base-2 row
     log-sum-exp (B, Hq, Tq), fp32. ``window`` 0 means none; ``block_m``/``block_n`` 0 the
-    default tiles."""
+    default tiles; ``docs`` the (B, 2, Tk) document spans of :func:`_document_spans`."""
     b, hq, tq, d = q.shape
     hkv, tk = k.shape[1], k.shape[2]
     o = _empty_as(q)
@@ -727,11 +799,13 @@ def _forward(
         lse,
         slopes if slopes is not None else dummy,
         kpm if kpm is not None else dummy,
+        docs if docs is not None else dummy,
         *q.stride(),
         *k.stride(),
         *v.stride(),
         *o.stride(),
         kpm.stride(0) if kpm is not None else 0,
+        docs.stride(0) if docs is not None else 0,
         hq,
         tq,
         tk,
@@ -743,6 +817,7 @@ def _forward(
         HAS_BIAS=slopes is not None,
         HAS_KPM=kpm is not None,
         HAS_WINDOW=window > 0,
+        HAS_DOCS=docs is not None,
         PRECISION=_precision(q.dtype),
         SKIP_MASKS=SKIP_INTERIOR_MASKS,
         BLOCK_M=cfg.block_m,
@@ -760,7 +835,7 @@ flash_attention_fwd = torch.library.custom_op(
 
 
 @flash_attention_fwd.register_fake
-def _flash_attention_fwd_fake(q, k, v, slopes, kpm, causal, window, block_m, block_n):
+def _flash_attention_fwd_fake(q, k, v, slopes, kpm, causal, window, block_m, block_n, docs=None):
     b, hq, tq, _ = q.shape
     return _empty_as(q), q.new_empty((b, hq, tq), dtype=torch.float32)
 
@@ -778,6 +853,7 @@ def _backward(
     window: int,
     block_m: int,
     block_n: int,
+    docs: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The backward kernels: (dq, dk, dv) in the inputs' dtype and memory order."""
     b, hq, tq, d = q.shape
@@ -794,6 +870,7 @@ def _backward(
         "HAS_BIAS": slopes is not None,
         "HAS_KPM": kpm is not None,
         "HAS_WINDOW": window > 0,
+        "HAS_DOCS": docs is not None,
         "PRECISION": _precision(q.dtype),
         "SKIP_MASKS": SKIP_INTERIOR_MASKS,
         "BLOCK_D": block_d,
@@ -801,6 +878,8 @@ def _backward(
     slopes_arg = slopes if slopes is not None else lse
     kpm_arg = kpm if kpm is not None else lse
     kpm_stride = kpm.stride(0) if kpm is not None else 0
+    docs_arg = docs if docs is not None else lse
+    docs_stride = docs.stride(0) if docs is not None else 0
 
     delta = torch.empty_like(lse)
     pre_m = 16 if runtime.interpreting() else 64
@@ -828,6 +907,7 @@ def _backward(
         dv,
         slopes_arg,
         kpm_arg,
+        docs_arg,
         *q.stride(),
         *k.stride(),
         *v.stride(),
@@ -835,6 +915,7 @@ def _backward(
         *dk.stride(),
         *dv.stride(),
         kpm_stride,
+        docs_stride,
         hq,
         tq,
         tk,
@@ -857,12 +938,14 @@ def _backward(
         dq,
         slopes_arg,
         kpm_arg,
+        docs_arg,
         *q.stride(),
         *k.stride(),
         *v.stride(),
         *do.stride(),
         *dq.stride(),
         kpm_stride,
+        docs_stride,
         hq,
         tq,
         tk,
@@ -883,21 +966,22 @@ flash_attention_bwd = torch.library.custom_op(
 
 
 @flash_attention_bwd.register_fake
-def _flash_attention_bwd_fake(do, q, k, v, o, lse, slopes, kpm, causal, window, bm, bn):
+def _flash_attention_bwd_fake(do, q, k, v, o, lse, slopes, kpm, causal, window, bm, bn, docs=None):
     return _empty_as(q), _empty_as(k), _empty_as(v)
 
 
 def _flash_setup_context(ctx, inputs, output) -> None:
-    q, k, v, slopes, kpm, causal, window, block_m, block_n = inputs
+    q, k, v, slopes, kpm, causal, window, block_m, block_n, *rest = inputs
     o, lse = output
-    ctx.save_for_backward(q, k, v, o, lse, slopes, kpm)
+    ctx.save_for_backward(q, k, v, o, lse, slopes, kpm, rest[0] if rest else None)
     ctx.args = (causal, window, block_m, block_n)
+    ctx.n_inputs = len(inputs)
 
 
 def _flash_backward(ctx, do, _dlse):
-    q, k, v, o, lse, slopes, kpm = ctx.saved_tensors
-    dq, dk, dv = flash_attention_bwd(do, q, k, v, o, lse, slopes, kpm, *ctx.args)
-    return dq, dk, dv, None, None, None, None, None, None
+    q, k, v, o, lse, slopes, kpm, docs = ctx.saved_tensors
+    dq, dk, dv = flash_attention_bwd(do, q, k, v, o, lse, slopes, kpm, *ctx.args, docs)
+    return dq, dk, dv, *([None] * (ctx.n_inputs - 3))
 
 
 flash_attention_fwd.register_autograd(_flash_backward, setup_context=_flash_setup_context)
@@ -909,17 +993,17 @@ class _EagerFlashAttention(torch.autograd.Function):
     an eager step pays once per layer and kernel."""
 
     @staticmethod
-    def forward(ctx, q, k, v, slopes, kpm, causal, window, block_m, block_n):
-        o, lse = _forward(q, k, v, slopes, kpm, causal, window, block_m, block_n)
-        ctx.save_for_backward(q, k, v, o, lse, slopes, kpm)
+    def forward(ctx, q, k, v, slopes, kpm, causal, window, block_m, block_n, docs):
+        o, lse = _forward(q, k, v, slopes, kpm, causal, window, block_m, block_n, docs)
+        ctx.save_for_backward(q, k, v, o, lse, slopes, kpm, docs)
         ctx.args = (causal, window, block_m, block_n)
         return o
 
     @staticmethod
     def backward(ctx, do):
-        q, k, v, o, lse, slopes, kpm = ctx.saved_tensors
-        dq, dk, dv = _backward(do, q, k, v, o, lse, slopes, kpm, *ctx.args)
-        return dq, dk, dv, None, None, None, None, None, None
+        q, k, v, o, lse, slopes, kpm, docs = ctx.saved_tensors
+        dq, dk, dv = _backward(do, q, k, v, o, lse, slopes, kpm, *ctx.args, docs)
+        return dq, dk, dv, None, None, None, None, None, None, None
 
 
 # --------------------------------------------------------------------------- entry points
@@ -935,6 +1019,7 @@ def flash_attention(
     key_padding_mask: Tensor | None = None,
     window: int | None = None,
     blocks: tuple[int, int] | None = None,
+    document_ids: Tensor | None = None,
 ) -> Tensor:
     """Attention through the fused Triton kernels (the AttentionKernel contract).
 
@@ -942,7 +1027,9 @@ def flash_attention(
     key position Tk − Tq + i; ``key_padding_mask`` (B, Tk) True where a key may be attended;
     ``bias`` an ALiBi-style :class:`DistanceBias`. ``window`` W (causal only): each query
     attends its last W keys, and the kernels visit only the key blocks that meet a window,
-    so time is O(L·W) (:mod:`llmkit.kernels.sliding_window`). Inputs must satisfy
+    so time is O(L·W) (:mod:`llmkit.kernels.sliding_window`). ``document_ids`` (B, Tk),
+    non-decreasing per row: a query sees only keys of its own document (packed rows, varlen),
+    and the programs skip the blocks wholly in other documents. Inputs must satisfy
     :func:`kernel_supports` and sit where :func:`llmkit.kernels.runtime.use_triton` allows.
     ``blocks`` = (BLOCK_M, BLOCK_N) overrides the tile sizes of all kernels (tests).
     """
@@ -967,7 +1054,8 @@ def flash_attention(
         if slopes.shape != (q.shape[1],):
             raise ValueError(f"bias has {tuple(slopes.shape)} slopes for {q.shape[1]} heads")
     kpm = _padding_bytes(key_padding_mask, q.shape[0], k.shape[2], q.device)
-    args = (q, k, v, slopes, kpm, bool(causal), window or 0, *(blocks or (0, 0)))
+    docs = _document_spans(document_ids, q.shape[0], k.shape[2], q.device)
+    args = (q, k, v, slopes, kpm, bool(causal), window or 0, *(blocks or (0, 0)), docs)
     if torch.compiler.is_compiling():  # an opaque node of known shapes for the tracer
         return flash_attention_fwd(*args)[0]
     return _EagerFlashAttention.apply(*args)
@@ -981,8 +1069,17 @@ def flash_attention_reference(
     causal: bool = True,
     bias: DistanceBias | None = None,
     key_padding_mask: Tensor | None = None,
+    document_ids: Tensor | None = None,
 ) -> Tensor:
     """The plain-PyTorch path the ``flash`` component takes without Triton: the same contract
     through :func:`~llmkit.ops.sdpa_attention` (memory-efficient on
-    CPU, no L×L tensor for plain causal calls)."""
-    return sdpa_attention(q, k, v, causal=causal, bias=bias, key_padding_mask=key_padding_mask)
+    CPU, no L×L tensor for plain causal calls; documents as a block-diagonal mask)."""
+    return sdpa_attention(
+        q,
+        k,
+        v,
+        causal=causal,
+        bias=bias,
+        key_padding_mask=key_padding_mask,
+        document_ids=document_ids,
+    )

@@ -18,9 +18,10 @@ log-sum-exp, δ). Windows share the compiled kernels (Triton specializes only th
 and multiples of 16). Everything else is the flash
 kernels' contract: fp32 statistics and accumulation, IEEE fp32 dots for fp32 inputs (TF32
 when PyTorch allows it), ALiBi slopes as score − slope·(p − j), a ``key_padding_mask`` in the
-kernel (a query left with no key returns zeros and zero gradients), no atomics (bit-identical
-gradients between runs). Dropout is not supported: the component uses the reference path for
-it.
+kernel (a query left with no key returns zeros and zero gradients), packed documents
+(``document_ids``: window AND same document, the key blocks of earlier documents skipped), no
+atomics (bit-identical gradients between runs). Dropout is not supported: the component uses
+the reference path for it.
 
 The PyTorch reference is
 :func:`llmkit.components.attention.sliding_window.sliding_window_attention`.
@@ -55,12 +56,14 @@ def sliding_window_attention_triton(
     key_padding_mask: Tensor | None = None,
     block_m: int | None = None,
     block_n: int | None = None,
+    document_ids: Tensor | None = None,
 ) -> Tensor:
     """Causal sliding-window attention by the Triton kernels (differentiable).
 
     q (B, Hq, Tq, D); k, v (B, Hkv, Tk, D), Hq a multiple of Hkv, Tk ≥ Tq, query i at key
     position Tk−Tq+i; ``slopes`` (Hq,) ALiBi slopes (score − slope·distance);
-    ``key_padding_mask`` (B, Tk) True where a key may be attended. ``block_m``/``block_n``
+    ``key_padding_mask`` (B, Tk) True where a key may be attended; ``document_ids`` (B, Tk)
+    non-decreasing ids (a query sees only its own document). ``block_m``/``block_n``
     override the tile sizes of every kernel (powers of two ≥ 16).
     """
     check_shapes(q, k, v)  # the kernels index without bounds checks: validate first
@@ -82,4 +85,5 @@ def sliding_window_attention_triton(
         key_padding_mask=key_padding_mask,
         window=window,
         blocks=blocks,
+        document_ids=document_ids,
     )

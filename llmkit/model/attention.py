@@ -9,6 +9,7 @@ import math
 from torch import Tensor, nn
 
 from llmkit.contracts import AttentionInputs, AttentionKernel, BuildContext
+from llmkit.errors import LlmkitError
 
 __all__ = ["Attention"]
 
@@ -20,8 +21,9 @@ class Attention(nn.Module):
     Per call: project, apply the optional ``qk_transform`` to q and k (QK-norm), then the
     positional scheme's q/k rotation, scale q when the softmax scale is not 1/√D
     (``ctx.attn_scale``), store k and v in the cache, and run the kernel with the scheme's
-    score bias. Keys are cached after the transform and the rotation, so decoding
-    never recomputes them.
+    score bias (and ``inputs.document_ids``, passed only when set, so a kernel without the
+    keyword still runs without documents). Keys are cached after the transform and the
+    rotation, so decoding never recomputes them.
     """
 
     def __init__(
@@ -55,10 +57,16 @@ class Attention(nn.Module):
         if self.q_multiplier is not None:
             q = q * self.q_multiplier
         mask = inputs.key_padding_mask
+        docs = {}
+        if inputs.document_ids is not None:
+            if inputs.cache is not None:
+                raise LlmkitError("attention: document_ids cannot be combined with a KV cache")
+            docs["document_ids"] = inputs.document_ids
         if inputs.cache is not None:
             k, v, mask = inputs.cache.update(k, v, mask)
         elif mask is not None:
             mask = mask[:, -k.shape[2] :]
-        y = self.kernel(q, k, v, causal=True, bias=position.score_bias(), key_padding_mask=mask)
+        bias = position.score_bias()
+        y = self.kernel(q, k, v, causal=True, bias=bias, key_padding_mask=mask, **docs)
         y = y.transpose(1, 2).reshape(B, T, H * D)
         return self.out_proj(y)

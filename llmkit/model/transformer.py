@@ -29,6 +29,7 @@ from llmkit.errors import LlmkitError
 from llmkit.model import accounting
 from llmkit.model.attention import Attention
 from llmkit.model.cache import KVCache
+from llmkit.model.documents import check_document_ids, document_positions
 from llmkit.model.meta import meta_device
 from llmkit.spec import LayerPlan, Resolved, ResolvedSpec, estimate_parameters
 
@@ -179,6 +180,7 @@ class Transformer(nn.Module):
         positions: Tensor | None = None,
         key_padding_mask: Tensor | None = None,
         last_only: bool = False,
+        document_ids: Tensor | None = None,
     ) -> ModelOutput:
         """``idx`` (B, T) token ids; ``targets`` (B, T) with -100 to ignore.
 
@@ -189,8 +191,17 @@ class Transformer(nn.Module):
         position is the number of real tokens before it in its row, so a left-padded prompt
         is positioned exactly as if it were alone. ``positions`` (T,) or (B, T) overrides
         the default positions. ``last_only`` computes the logits of the last position only.
+
+        ``document_ids`` (B, T) integer, non-decreasing along each row, marks the documents
+        of packed rows (:func:`llmkit.model.documents.document_ids_from_eos`): a token attends
+        only to earlier tokens of its own document, and its default position is its index
+        within the document, so each document gets the logits it would get alone. Every
+        layer's attention kernel must declare ``supports_document_mask`` (checked before the
+        first layer runs); a KV cache is refused with it.
         """
         T = idx.shape[1]
+        if document_ids is not None:
+            document_ids = self._check_documents(document_ids, idx, cache)
         if key_padding_mask is not None:
             key_padding_mask = self._new_token_mask(key_padding_mask, idx, cache)
         if cache is not None and key_padding_mask is not None and cache.seen is None:
@@ -198,7 +209,9 @@ class Transformer(nn.Module):
             cache.seen = torch.full(
                 (idx.shape[0],), cache.position, dtype=torch.long, device=idx.device
             )
-        if positions is None:
+        if positions is None and document_ids is not None:
+            positions = document_positions(document_ids, key_padding_mask)
+        elif positions is None:
             positions = self._default_positions(idx, cache, key_padding_mask)
         if cache is not None and cache.seen is not None:
             real = T if key_padding_mask is None else key_padding_mask.sum(1)
@@ -216,6 +229,7 @@ class Transformer(nn.Module):
                 positions,
                 cache.layers[j] if cache is not None else None,
                 key_padding_mask,
+                document_ids,
             )
             x = checkpoint(block, x, inputs, use_reentrant=False) if recompute else block(x, inputs)
         if cache is not None:
@@ -234,6 +248,24 @@ class Transformer(nn.Module):
             )
         aux, metrics = self.collect_side_outputs()
         return ModelOutput(logits, loss, aux, metrics)
+
+    def _check_documents(self, document_ids: Tensor, idx: Tensor, cache: KVCache | None) -> Tensor:
+        """The checks of ``document_ids`` before any layer runs: no KV cache, every kernel
+        declares support, ids shaped like ``idx`` and non-decreasing."""
+        if cache is not None:
+            raise LlmkitError(
+                "Transformer.forward: document_ids cannot be combined with a KV cache "
+                "(document masking is for packed training rows; decode documents one by one)"
+            )
+        for j, attention in enumerate(self._attention):
+            if not getattr(attention.kernel, "supports_document_mask", False):
+                name = self.spec.layers[j].attention.name
+                raise LlmkitError(
+                    f"attention {name!r} (layer {j}) does not support document masking "
+                    "(document_ids / data.document_mask): its kernel does not declare "
+                    "supports_document_mask = True"
+                )
+        return check_document_ids(document_ids, idx)
 
     @staticmethod
     def _new_token_mask(mask: Tensor, idx: Tensor, cache: KVCache | None) -> Tensor:

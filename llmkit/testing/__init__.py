@@ -16,7 +16,9 @@ Per kind (see each ``check_*`` function for the details):
 - ``attention``: shapes and dtype, agreement with :func:`reference_attention`, causality,
   bottom-right alignment of queries to keys (how a KV cache presents them), sliding-window
   locality for kernels that declare a ``cache_window``, gradients, determinism, GQA/MQA,
-  score biases, key padding masks, non-causal calls, bfloat16.
+  score biases, key padding masks, non-causal calls, bfloat16; for kernels that declare
+  ``supports_document_mask``, packed documents (``document_ids``) equal each document run
+  alone, outputs and gradients.
 - ``ffn`` and ``norm``: shape and dtype, position-wise (no mixing across tokens or batch
   rows), gradients to the input and every parameter, determinism, bfloat16.
 - ``position``: ``acts_on`` agrees with the record's capabilities, every site it does not

@@ -10,6 +10,7 @@ from torch import Tensor, nn
 
 from llmkit.contracts import POSITION_SITES, DistanceBias
 from llmkit.ops import reference_attention
+from llmkit.testing.attention_documents import check_document_grads, check_documents
 from llmkit.testing.common import (
     Options,
     Record,
@@ -121,6 +122,8 @@ def check_attention(
             _attention_bias(record, kernel, q, k, v, out, window, exact, tol, gen, dev)
         _attention_padding(record, kernel, q, k, v, out, window, exact, tol, sites, gen, dev)
         _attention_noncausal(record, kernel, q, k, v, caps, exact, tol, gen, dev)
+        if getattr(module, "supports_document_mask", False):
+            check_documents(record, kernel, q, k, v, out, window, exact, tol, caps, sites)
         for dtype in _dtypes(record):
             if dtype == torch.float32:
                 continue
@@ -142,6 +145,8 @@ def check_attention(
     _check_grads(record, module, "backward through the kernel")
     module.eval()
     _attention_backward(record, kernel, q, k, v, window, exact, tol, caps, sites, gen, dev)
+    if getattr(module, "supports_document_mask", False):
+        check_document_grads(record, kernel, q, k, v, gen, dev)
 
 
 def _grads(kernel: _Kernel, q, k, v, weights, rows: slice | None = None, **kw: Any):

@@ -134,6 +134,62 @@ class LeakyBackwardAttention(_Kernel):
         return super().forward(q, k, v, causal=causal, bias=bias, key_padding_mask=key_padding_mask)
 
 
+class DocumentAttention(_Kernel):
+    """Declares document support and honours it: the reference with documents."""
+
+    supports_document_mask = True
+
+    def forward(self, q, k, v, *, causal=True, bias=None, key_padding_mask=None, **docs):
+        return reference_attention(
+            q, k, v, causal=causal, bias=bias, key_padding_mask=key_padding_mask, **docs
+        )
+
+
+class DocumentIgnoringAttention(DocumentAttention):
+    """Declares document support but lets attention cross documents."""
+
+    def forward(self, q, k, v, *, causal=True, bias=None, key_padding_mask=None, **docs):
+        return super().forward(q, k, v, causal=causal, bias=bias, key_padding_mask=key_padding_mask)
+
+
+class TopLeftDocumentAttention(DocumentAttention):
+    """Reads the queries' documents from the first Tq ids instead of the last."""
+
+    def forward(self, q, k, v, *, causal=True, bias=None, key_padding_mask=None, **docs):
+        ids = docs.get("document_ids")
+        tq, tk = q.shape[2], k.shape[2]
+        if ids is not None and tq < tk:
+            docs = {"document_ids": torch.cat([ids[:, : tk - tq], ids[:, :tq]], 1)}
+        return super().forward(
+            q, k, v, causal=causal, bias=bias, key_padding_mask=key_padding_mask, **docs
+        )
+
+
+class _DocumentLeakingBackward(torch.autograd.Function):
+    """Forward with documents, backward as if there were none."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, ids):
+        ctx.save_for_backward(q, k, v)
+        return reference_attention(q, k, v, document_ids=ids)
+
+    @staticmethod
+    def backward(ctx, grad):
+        with torch.enable_grad():
+            q, k, v = (t.detach().requires_grad_(True) for t in ctx.saved_tensors)
+            return *torch.autograd.grad(reference_attention(q, k, v), (q, k, v), grad), None
+
+
+class DocumentLeakingBackwardAttention(DocumentAttention):
+    def forward(self, q, k, v, *, causal=True, bias=None, key_padding_mask=None, **docs):
+        ids = docs.get("document_ids")
+        if ids is not None and causal and bias is None and q.shape[2] == k.shape[2]:
+            return _DocumentLeakingBackward.apply(q, k, v, ids)
+        return super().forward(
+            q, k, v, causal=causal, bias=bias, key_padding_mask=key_padding_mask, **docs
+        )
+
+
 APPROX = {"approximate": True}  # skip the reference comparison so the targeted check fires
 
 
@@ -153,6 +209,9 @@ APPROX = {"approximate": True}  # skip the reference comparison so the targeted 
         (ParamAttention, {}, "no gradient reaches parameter 'temperature'"),
         (LeakyBackwardAttention, {}, "the gradient of q differs from reference_attention"),
         (LeakyBackwardAttention, APPROX, "backward is not causal"),
+        (DocumentIgnoringAttention, APPROX, "attention must stay inside each document"),
+        (TopLeftDocumentAttention, APPROX, "queries take the last Tq"),
+        (DocumentLeakingBackwardAttention, {}, "document_ids: the gradient of k"),
     ],
     ids=lambda x: x.__name__ if isinstance(x, type) else None,
 )
@@ -164,6 +223,7 @@ def test_broken_attention_fails(target, capabilities, match):
 def test_good_attention_passes():
     check_component(fake("attention", GoodAttention))
     check_component(fake("attention", GoodAttention, capabilities={"gqa": False}))
+    check_component(fake("attention", DocumentAttention))
 
 
 # -- whole models with fake parts --------------------------------------------------------------

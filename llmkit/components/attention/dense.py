@@ -2,8 +2,9 @@
 
 The reference kernel (scaled dot-product attention, Vaswani et al. 2017, "Attention Is All You
 Need"), with grouped-query attention (Ainslie et al. 2023, "GQA") and bottom-right causal
-alignment for KV-cache decoding, an optional causal window and score soft-capping (Gemma 2
-Team 2024): the component form of :func:`llmkit.ops.reference_attention`,
+alignment for KV-cache decoding, an optional causal window, score soft-capping (Gemma 2
+Team 2024) and document masking (an explicit mask: a query sees only its own document's keys):
+the component form of :func:`llmkit.ops.reference_attention`,
 which every other kernel is tested against.
 """
 
@@ -21,6 +22,7 @@ class DenseAttention(AttentionKernel):
 
     Options = DenseAttentionOptions
     full_causal = True
+    supports_document_mask = True
 
     def __init__(self, options: DenseAttentionOptions, ctx: BuildContext) -> None:
         super().__init__(options, ctx)
@@ -38,6 +40,7 @@ class DenseAttention(AttentionKernel):
         causal: bool = True,
         bias: DistanceBias | None = None,
         key_padding_mask: Tensor | None = None,
+        document_ids: Tensor | None = None,
     ) -> Tensor:
         return reference_attention(
             q,
@@ -49,4 +52,5 @@ class DenseAttention(AttentionKernel):
             dropout_p=self.dropout if self.training else 0.0,
             window=self.window,
             softcap=self.softcap,
+            document_ids=document_ids,
         )

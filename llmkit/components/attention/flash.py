@@ -4,7 +4,9 @@ Tiled online-softmax attention (FlashAttention-2, Dao 2023) that never builds th
 matrix, with its own backward. Where Triton cannot run (CPU tensors without
 ``TRITON_INTERPRET=1``, or inputs the kernel does not take: fp64, head dim > 256, mixed
 dtypes) it announces once and takes the PyTorch reference path
-(:func:`~llmkit.kernels.flash_attention.flash_attention_reference`, i.e. SDPA).
+(:func:`~llmkit.kernels.flash_attention.flash_attention_reference`, i.e. SDPA). Packed
+documents (``document_ids``) run in the kernel (varlen: each program skips the key blocks
+of earlier documents) and as a block-diagonal mask on the reference path.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ class FlashAttention(AttentionKernel):
 
     Options = NoOptions
     full_causal = True
+    supports_document_mask = True
 
     @classmethod
     def runtime_backend(cls) -> str:
@@ -38,6 +41,7 @@ class FlashAttention(AttentionKernel):
         causal: bool = True,
         bias: DistanceBias | None = None,
         key_padding_mask: Tensor | None = None,
+        document_ids: Tensor | None = None,
     ) -> Tensor:
         if runtime.use_triton(q, k, v):
             # Imported here: Triton loads only when a kernel runs.
@@ -45,8 +49,22 @@ class FlashAttention(AttentionKernel):
 
             if fa.kernel_supports(q, k, v):
                 return fa.flash_attention(
-                    q, k, v, causal=causal, bias=bias, key_padding_mask=key_padding_mask
+                    q,
+                    k,
+                    v,
+                    causal=causal,
+                    bias=bias,
+                    key_padding_mask=key_padding_mask,
+                    document_ids=document_ids,
                 )
         runtime.announce_reference(NAME)
         # The reference path: what flash_attention_reference runs, without importing Triton.
-        return sdpa_attention(q, k, v, causal=causal, bias=bias, key_padding_mask=key_padding_mask)
+        return sdpa_attention(
+            q,
+            k,
+            v,
+            causal=causal,
+            bias=bias,
+            key_padding_mask=key_padding_mask,
+            document_ids=document_ids,
+        )

@@ -8,7 +8,8 @@ bottom-right-aligned mask. In training with ``dropout > 0`` on a CPU, where SDPA
 would leave its fused kernel for the math path, :mod:`llmkit.kernels.attention_dropout` runs
 instead (same contract, a cheaper dropout mask). bf16 calls on a CPU with few keys or
 narrow heads run widened to fp32 (:func:`widen_on_cpu`), where torch's fused CPU kernel is
-faster in fp32 than in bf16.
+faster in fp32 than in bf16. ``document_ids`` (packed rows) become one boolean block-diagonal
+causal mask (:func:`llmkit.ops.sdpa_attention`), on every path.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from torch import Tensor
 from llmkit.components.attention.options import SDPAttentionOptions
 from llmkit.contracts import AttentionKernel, BuildContext, DistanceBias
 from llmkit.kernels import attention_dropout
-from llmkit.ops import sdpa_attention
+from llmkit.ops import check_document_ids, sdpa_attention
 
 #: bf16 calls on a CPU are widened to fp32 up to this many keys, or at any length for
 #: heads up to WIDEN_HEAD_DIM wide (:func:`widen_on_cpu`).
@@ -46,6 +47,7 @@ class SDPAttention(AttentionKernel):
 
     Options = SDPAttentionOptions
     full_causal = True
+    supports_document_mask = True
 
     def __init__(self, options: SDPAttentionOptions, ctx: BuildContext) -> None:
         super().__init__(options, ctx)
@@ -60,11 +62,14 @@ class SDPAttention(AttentionKernel):
         causal: bool = True,
         bias: DistanceBias | None = None,
         key_padding_mask: Tensor | None = None,
+        document_ids: Tensor | None = None,
     ) -> Tensor:
         dropout_p = self.dropout if self.training else 0.0
         # On a CPU, SDPA with dropout runs its math path, its mask costing more than the
         # product: llmkit.kernels.attention_dropout draws it from 16 bits an element.
         kw = {"causal": causal, "bias": bias, "key_padding_mask": key_padding_mask}
+        if document_ids is not None:
+            kw["document_ids"] = check_document_ids(document_ids, q.shape[0], k.shape[2])
         if attention_dropout.applies(q, dropout_p):
             return attention_dropout.dropout_attention(q, k, v, dropout_p=dropout_p, **kw)
         if widen_on_cpu(q, k):

@@ -10,6 +10,12 @@ compiled C kernel :mod:`llmkit.kernels.window_native`, where a C compiler builds
 everything else the block-local PyTorch implementation :mod:`llmkit.kernels.block_local`:
 float64, key padding, dropout in training, other head dims, no compiler. The block-local
 function is also the kernels' test reference.
+
+Packed documents (``document_ids``): a query attends the keys of its window that are in its
+own document. The Triton kernel takes them (varlen, as ``flash``); elsewhere the call leaves
+the O(L·W) paths (C and block-local) for a masked PyTorch one, :func:`llmkit.ops.sdpa_attention`
+with the window and the documents as one boolean mask (O(L²) scores; with dropout,
+:func:`llmkit.ops.reference_attention`).
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from llmkit.components.attention.options import SlidingWindowOptions
 from llmkit.contracts import AttentionKernel, BuildContext, DistanceBias
 from llmkit.kernels import runtime, window_native
 from llmkit.kernels.block_local import block_local_attention, default_chunk
-from llmkit.ops import check_shapes
+from llmkit.ops import check_document_ids, check_shapes, reference_attention, sdpa_attention
 
 __all__ = [
     "NAME",
@@ -44,6 +50,7 @@ def sliding_window_attention(
     key_padding_mask: Tensor | None = None,
     dropout_p: float = 0.0,
     chunk: int | None = None,
+    document_ids: Tensor | None = None,
 ) -> Tensor:
     """Causal attention of each query over its last ``window`` keys (itself included).
 
@@ -54,7 +61,8 @@ def sliding_window_attention(
     fp16/bf16 inputs are upcast and the results cast back). ``chunk`` sets the query block
     size (default :func:`default_chunk`). A query left with no key (only padding in its window)
     returns zeros, with zero gradients. Block-local, see
-    :mod:`llmkit.kernels.block_local`.
+    :mod:`llmkit.kernels.block_local`; with ``document_ids`` (B, Tk) the masked path of the
+    module docstring (``chunk`` then has no effect).
     """
     groups = check_shapes(q, k, v)
     if window < 1:
@@ -63,6 +71,12 @@ def sliding_window_attention(
         raise ValueError(f"chunk must be ≥ 1, got {chunk}")
     if q.shape[2] == 0:
         return q.clone()
+    if document_ids is not None:
+        check_document_ids(document_ids, q.shape[0], k.shape[2])
+        kw = {"bias": bias, "key_padding_mask": key_padding_mask, "document_ids": document_ids}
+        if dropout_p > 0.0:
+            return reference_attention(q, k, v, window=window, dropout_p=dropout_p, **kw)
+        return sdpa_attention(q, k, v, window=window, **kw)
     if chunk is None and window_native.supports(q, k, v, key_padding_mask, dropout_p):
         slopes = None if bias is None else bias.slopes
         return window_native.window_attention_native(q, k, v, window, groups, slopes)
@@ -87,6 +101,7 @@ class SlidingWindowAttention(AttentionKernel):
 
     Options = SlidingWindowOptions
     full_causal = True
+    supports_document_mask = True
 
     def __init__(self, options: SlidingWindowOptions, ctx: BuildContext) -> None:
         super().__init__(options, ctx)
@@ -103,6 +118,7 @@ class SlidingWindowAttention(AttentionKernel):
         causal: bool = True,
         bias: DistanceBias | None = None,
         key_padding_mask: Tensor | None = None,
+        document_ids: Tensor | None = None,
     ) -> Tensor:
         if not causal:
             raise ValueError("sliding_window attention is causal only; got causal=False")
@@ -119,6 +135,7 @@ class SlidingWindowAttention(AttentionKernel):
                     self.window,
                     slopes=None if bias is None else bias.slopes,
                     key_padding_mask=key_padding_mask,
+                    document_ids=document_ids,
                 )
         elif dropout_p == 0.0 and not window_native.supports(q, k, v, key_padding_mask, 0.0):
             runtime.announce_reference(NAME)
@@ -130,6 +147,7 @@ class SlidingWindowAttention(AttentionKernel):
             bias=bias,
             key_padding_mask=key_padding_mask,
             dropout_p=dropout_p,
+            document_ids=document_ids,
         )
 
     @classmethod
