@@ -143,6 +143,10 @@ def _prepare_data(
     seed = spec.train.seed if spec.data.seed is None else spec.data.seed
     source_options = rs.dataset.to_dict()
     source = rs.dataset.build(rs.dataset.options)
+    if callable(getattr(source, "token_source", None)):  # ids already: a store, .bin files
+        from llmkit.data.shards_open import prepare_tokens
+
+        return prepare_tokens(rs, source, run_dir, tokenizer, log)
     chat_format = getattr(source, "chat_format", None)
     chat = chat_format() if callable(chat_format) else None
     splits = _LazySplits(source, seed, rs.dataset.name, chat is not None, log)

@@ -48,6 +48,10 @@ def _options(name: str, tmp: Path) -> dict[str, Any]:
     if name == "chat":
         rows = [{"prompt": f"question {i}?", "response": f"answer {i}."} for i in range(10)]
         return {"paths": [_jsonl(tmp / "chat.jsonl", rows)]}
+    if name == "tokens":  # a token store, decoded back into its documents
+        from tests.data.test_shards import make_store
+
+        return {"path": str(make_store(tmp, DOCS))}
     raise AssertionError(f"no sample options for dataset {name!r}; add some here")
 
 

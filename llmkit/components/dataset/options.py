@@ -190,3 +190,32 @@ class ChatOptions(FileSourceOptions):
         if any(not t for t in tokens):
             raise ValueError("a special token cannot be empty")
         return tokens
+
+
+class TokensOptions(ComponentOptions):
+    """Options of the tokens source: a token store, or llm.c/nanoGPT ``.bin`` files."""
+
+    path: str = Field(
+        "", description="A token store written by `llmkit data prepare` (its directory)."
+    )
+    paths: list[str] = Field(
+        default_factory=list,
+        description="Instead of a store: llm.c .bin files or globs for training "
+        "(e.g. fineweb_train_*.bin); tokenizer.path names their tokenizer.",
+    )
+    val_paths: list[str] | None = Field(
+        None, description="With paths: the validation .bin files (e.g. fineweb_val_*.bin)."
+    )
+    header: bool = Field(
+        True,
+        description="With paths: the files have llm.c's 1024-byte header; false: bare ids "
+        "(nanoGPT's train.bin/val.bin).",
+    )
+    dtype: Literal["uint16", "uint32"] = Field(
+        "uint16", description="With paths and header = false: the ids' type."
+    )
+    verify: bool = Field(
+        True,
+        description="Check each shard when a process first reads it: a store's SHA-256, a "
+        ".bin file's largest id against the tokenizer.",
+    )
