@@ -36,9 +36,10 @@ class DataPart:
 
     name: str
     weight: float  # normalised: the parts' weights sum to 1
-    train: TokenFile
+    train: TokenFile | None  # None: streamed (``stream``)
     validation: TokenFile
     description: str
+    stream: dict[str, Any] | None = None
 
 
 def normalised(weights: Iterable[float]) -> list[float]:
@@ -206,15 +207,15 @@ class MixtureSampler:
         total = sum(self.rows)
         return {n: (r / total if total else 0.0) for n, r in zip(self.names, self.rows)}
 
-    def describe_shares(self, block_size: int, train_tokens: list[int]) -> str:
+    def describe_shares(self, block_size: int, train_tokens: list[int | None]) -> str:
         """``web 70.0 % (weight 70.0 %, 1.93 passes), …`` over the run."""
         shares = self.shares()
         items = []
         for name, weight, rows, n in zip(
             self.names, self.weights, self.rows, train_tokens, strict=True
         ):
-            passes = rows * block_size / max(n, 1)
-            items.append(f"{name} {shares[name]:.1%} (weight {weight:.1%}, {passes:.2f} passes)")
+            passes = "" if n is None else f", {rows * block_size / max(n, 1):.2f} passes"
+            items.append(f"{name} {shares[name]:.1%} (weight {weight:.1%}{passes})")
         return ", ".join(items)
 
     def state_dict(self) -> dict[str, Any]:

@@ -51,11 +51,14 @@ class PreparedData:
     """What training needs from the data side."""
 
     tokenizer: Tokenizer
-    train: TokenFile
+    train: TokenFile | None
     validation: TokenFile
     source_description: str
     cache_dir: Path | None = None
     key: str = ""
+    #: ``data.streaming``: the streamed source's files and settings
+    #: (:func:`~llmkit.data.stream_prepare.stream_inputs`); ``train`` is then None.
+    stream: dict[str, Any] | None = None
     #: ``data.mixture``'s sources, each prepared on its own (``train``/``validation`` are
     #: then the first one's); empty for a single source.
     parts: list[DataPart] = field(default_factory=list)
@@ -121,10 +124,16 @@ def _prepare_mixture(
     first = parts[0]
     description = "mixture: " + "; ".join(f"{p.name} ({p.description})" for p in parts)
     key = hashlib.sha256(
-        json.dumps([[p.name, str(p.train.path)] for p in parts]).encode()
+        json.dumps([[p.name, str(p.validation.path)] for p in parts]).encode()
     ).hexdigest()[:12]
     return PreparedData(
-        tokenizer, first.train, first.validation, description, first.train.path.parent, key, parts
+        tokenizer,
+        first.train,
+        first.validation,
+        description,
+        first.validation.path.parent,
+        key,
+        parts=parts,
     )
 
 
@@ -147,6 +156,13 @@ def _prepare_data(
         from llmkit.data.shards_open import prepare_tokens
 
         return prepare_tokens(rs, source, run_dir, tokenizer, log)
+    if spec.data.streaming:  # read while training: only the tokenizer and validation now
+        from llmkit.data.stream_prepare import prepare_stream
+
+        cache = Path(spec.data.cache_dir).expanduser() if spec.data.cache_dir else run_dir / "data"
+        cache.mkdir(parents=True, exist_ok=True)
+        tokenizer, val, inputs, what = prepare_stream(rs, source, run_dir, tokenizer, cache, log)
+        return PreparedData(tokenizer, None, val, what, cache, str(val.meta.get("key")), inputs)
     chat_format = getattr(source, "chat_format", None)
     chat = chat_format() if callable(chat_format) else None
     splits = _LazySplits(source, seed, rs.dataset.name, chat is not None, log)

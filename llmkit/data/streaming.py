@@ -124,6 +124,7 @@ def _dataset_class() -> Any:
                 yield None, None, w, None, first_line(exc)
 
     _StreamDataset.__module__ = __name__
+    _StreamDataset.__qualname__ = "_StreamDataset"
     _DATASET_CLASS = _StreamDataset
     return _StreamDataset
 
@@ -289,6 +290,9 @@ class StreamSampler:
             num_workers=self.num_workers,
             pin_memory=self.pin_memory,
             prefetch_factor=self.prefetch,
+            # forked workers would share the parent's open files, the run's lock among them:
+            # a killed run would stay locked until its workers noticed; forkserver's do not
+            multiprocessing_context="forkserver" if self.num_workers else None,
         )
         self._loader, self._batch_size, self._held = iter(loader), batch_size, {}
 

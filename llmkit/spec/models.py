@@ -228,6 +228,15 @@ class DataSpec(Strict):
         "(val_loss/<name>) and the weighted mix. Weights may change when a run is resumed "
         "(a curriculum).",
     )
+    streaming: bool = Field(
+        False,
+        description="Read a file source (jsonl, parquet, text) as a stream, tokenized on the fly "
+        "in DataLoader workers, instead of tokenizing it into a token file first; "
+        "validation is val_paths or the held-out tail (val_fraction, at most 8 MiB).",
+    )
+    stream_workers: int = Field(
+        2, ge=0, le=256, description="DataLoader worker processes of a streamed source."
+    )
     document_mask: bool = Field(
         False,
         description="In packed rows, attention does not cross document boundaries (a token "

@@ -32,15 +32,39 @@ def training_sampler(
     sampling: str,
     block_size: int,
     seed: int,
+    *,
+    stream_workers: int = 0,
     **kw: Any,
 ) -> Any:
-    """The sampler of ``data.sampling`` over the training tokens; for a mixture, a
-    :class:`MixtureSampler` over one such sampler per source."""
+    """The sampler of ``data.sampling`` over the training tokens (a
+    :class:`~llmkit.data.streaming.StreamSampler` for a streamed source, reading with
+    ``stream_workers`` DataLoader workers); for a mixture, a :class:`MixtureSampler` over
+    one such sampler per source."""
+
+    def one(train: Any, stream: Any, seed: int) -> Any:
+        if stream is None:
+            return make_sampler(sampling, train, block_size, seed, **kw)
+        from llmkit.data.stream_prepare import held_out
+        from llmkit.data.streaming import StreamSampler
+
+        return StreamSampler(
+            stream["train"],
+            fmt=stream["format"],
+            text_field=stream["text_field"],
+            tokenizer=data.tokenizer,
+            block_size=block_size,
+            seed=seed,
+            rank=kw.get("rank", 0),
+            world_size=kw.get("world_size", 1),
+            num_workers=stream_workers,
+            pin_memory=kw.get("pin_memory", False),
+            held_out=held_out(stream),
+        )
+
     if not data.parts:
-        return make_sampler(sampling, data.train, block_size, seed, **kw)
+        return one(data.train, data.stream, seed)
     samplers = [
-        make_sampler(sampling, p.train, block_size, (seed * SEED_STRIDE + i) % 2**63, **kw)
-        for i, p in enumerate(data.parts)
+        one(p.train, p.stream, (seed * SEED_STRIDE + i) % 2**63) for i, p in enumerate(data.parts)
     ]
     return MixtureSampler([p.name for p in data.parts], [p.weight for p in data.parts], samplers)
 
@@ -59,11 +83,62 @@ def check_validation(data: PreparedData, block_size: int) -> None:
         eval_rows(v.tokens, block_size)
 
 
-def token_counts(data: PreparedData) -> tuple[int, int]:
-    """Training and validation tokens over every source."""
-    if not data.parts:
-        return len(data.train), len(data.validation)
-    return sum(len(p.train) for p in data.parts), sum(len(p.validation) for p in data.parts)
+def token_counts(data: PreparedData) -> str:
+    """``N train / M val tokens`` over every source (a streamed one's training tokens are
+    not counted before they are read)."""
+    parts = data.parts or [data]
+    trains = [p.train for p in parts]
+    val = sum(len(p.validation) for p in parts)
+    if any(t is None for t in trains):
+        known = sum(len(t) for t in trains if t is not None)
+        return f"streamed{f' + {known:,}' if known else ''} train / {val:,} val tokens"
+    return f"{sum(len(t) for t in trains):,} train / {val:,} val tokens"
+
+
+def gathered_state(sampler: Any, strategy: Any) -> dict[str, Any]:
+    """The sampler's position for a checkpoint. A streamed source's position differs per
+    rank: with several ranks every rank's is kept (``{"ranks": [...]}``); the others are the
+    same on every rank and kept once."""
+    state = sampler.state_dict()
+    if not strategy.distributed or not _per_rank(sampler):
+        return state
+    import torch.distributed as dist
+
+    states: list[Any] = [None] * strategy.world_size
+    dist.all_gather_object(states, state)
+    return {"ranks": states}
+
+
+def rank_state(state: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]:
+    """This rank's part of a position :func:`gathered_state` kept."""
+    ranks = state.get("ranks") if isinstance(state, dict) else None
+    if not isinstance(ranks, list):
+        return state
+    if len(ranks) != world_size:
+        from llmkit.errors import LlmkitError
+
+        raise LlmkitError(
+            f"resume: the checkpoint's streamed data position is of {len(ranks)} ranks; "
+            f"resume it on {len(ranks)}, not {world_size}"
+        )
+    return ranks[rank]
+
+
+def _per_rank(sampler: Any) -> bool:
+    from llmkit.data.streaming import StreamSampler
+
+    inner = getattr(sampler, "sampler", sampler)  # a traced sampler's
+    parts = getattr(inner, "samplers", [inner])
+    return any(isinstance(s, StreamSampler) for s in parts)
+
+
+def close(sampler: Any) -> None:
+    """Stop a sampler's worker processes (streamed sources), if it has any."""
+    inner = getattr(sampler, "sampler", sampler)
+    for s in getattr(inner, "samplers", [inner]):
+        stop = getattr(s, "close", None)
+        if callable(stop):
+            stop()
 
 
 #: ``LLMKIT_DATA_TRACE=DIR`` makes every rank append a line per training batch to

@@ -182,6 +182,7 @@ class Trainer:
             rank=strategy.rank,
             world_size=strategy.world_size,
             pin_memory=self.device.type == "cuda",  # copied to the GPU without waiting
+            stream_workers=self.rs.spec.data.stream_workers,
         )
         self.sampler = batches.traced(self.sampler, strategy.rank)
         batches.check_validation(data, self.block_size)
@@ -276,7 +277,9 @@ class Trainer:
         strategy.load_checkpoint(ckpt, self.model, self.optimizer, state)
         for group, hyper in zip(self.optimizer.param_groups, hypers, strict=True):
             group.update(hyper)
-        self.sampler.load_state_dict(state["data"])
+        self.sampler.load_state_dict(
+            batches.rank_state(state["data"], strategy.rank, strategy.world_size)
+        )
         change = getattr(self.sampler, "change", None)
         if change:
             self.log(change)
@@ -305,6 +308,9 @@ class Trainer:
                 log = getattr(self, "metrics", None)
                 if log is not None:
                     log.close()
+                sampler = getattr(self, "sampler", None)
+                if sampler is not None:
+                    batches.close(sampler)  # a stream's worker processes
             finally:
                 if self._lock is not None:
                     self._lock.release()
@@ -320,7 +326,7 @@ class Trainer:
         self.log(
             f"model: {self.model.num_params():,} parameters, {len(self.model.layers)} layers; "
             f"device {self.device}, precision {self.precision}; "
-            "{:,} train / {:,} val tokens".format(*batches.token_counts(self.data))
+            f"{batches.token_counts(self.data)}"
         )
         ckpt_every = t.checkpoint_interval or t.eval_interval
         stopped = "max_steps"
@@ -400,7 +406,7 @@ class Trainer:
             self.signals.restore()
         describe = getattr(self.sampler, "describe_shares", None)
         if describe is not None:
-            counts = [len(p.train) for p in self.data.parts]
+            counts = [None if p.train is None else len(p.train) for p in self.data.parts]
             self.log(f"data: mixture shares over the run: {describe(self.block_size, counts)}")
         model = self._finish(history)
         return TrainResult(
@@ -606,7 +612,7 @@ class Trainer:
                 f"({self._last_good()})"
             )
         state: dict[str, Any] = {
-            "data": self.sampler.state_dict(),
+            "data": batches.gathered_state(self.sampler, self.strategy),
             "rng": rng_state(),
             "step": self.step,
             "tokens": self.tokens,

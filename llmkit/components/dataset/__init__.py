@@ -233,8 +233,26 @@ class FileSource:
         self.options = options
         self._summary: str | None = None
 
+    #: The streaming reader's format for these files ("" = not streamable).
+    stream_format = ""
+
     def _files(self) -> tuple[list[Path], list[Path] | None]:
         return train_val_files(self.options.paths, self.options.val_paths)
+
+    def stream_inputs(self) -> dict[str, Any] | None:
+        """What ``data.streaming`` reads instead of :meth:`splits`: the format, the training
+        and validation files, the text field and the share held out for validation when
+        there are no validation files (None: this source cannot be streamed)."""
+        if not self.stream_format:
+            return None
+        train, val = self._files()
+        return {
+            "format": self.stream_format,
+            "train": [str(p) for p in train],
+            "validation": None if val is None else [str(p) for p in val],
+            "text_field": getattr(self.options, "text_field", "text"),
+            "val_fraction": float(getattr(self.options, "val_fraction", 0.0) or 0.0),
+        }
 
     def fingerprint(self) -> str:
         """Changes when any input file changes (:func:`files_fingerprint`)."""

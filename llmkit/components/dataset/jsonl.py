@@ -10,5 +10,6 @@ class JsonLines(TableSource):
     """Local ``.jsonl`` files read with ``datasets.load_dataset("json", ...)``."""
 
     builder = "json"
+    stream_format = "jsonl"
     label = "jsonl"
     Options = Options

@@ -10,5 +10,6 @@ class ParquetFiles(TableSource):
     """Local ``.parquet`` files read with ``datasets.load_dataset("parquet", ...)``."""
 
     builder = "parquet"
+    stream_format = "parquet"
     label = "parquet"
     Options = Options

@@ -24,6 +24,7 @@ class TextFiles(FileSource):
     whole files; ``val_paths`` names the validation files explicitly."""
 
     Options = Options
+    stream_format = "text"
 
     def splits(self, seed: int) -> datasets.DatasetDict:
         o = self.options
