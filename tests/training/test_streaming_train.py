@@ -1,5 +1,6 @@
-"""``data.streaming`` end to end: a streamed run trains from JSONL files read by DataLoader
-workers, validates on the held-out tail, and a SIGKILL resumes to the uninterrupted losses."""
+"""``data.streaming``: what cannot be streamed is one line. (A streamed job's disjoint rows
+and exact resume after SIGKILL: tests/training/test_distributed_data.py; the sampler's own
+resume with DataLoader workers: tests/data/test_stream_sampler.py.)"""
 
 from __future__ import annotations
 
@@ -8,18 +9,7 @@ import yaml
 
 from llmkit.errors import LlmkitError
 from llmkit.training import train
-from tests.training.kill_resume import losses, train_killed_and_resumed, val_losses
 from tests.training.test_distributed_data import stream_spec
-
-
-def test_a_streamed_run_resumes_exactly_after_a_kill(tmp_path):
-    spec = stream_spec(tmp_path, workers=2)
-    full, run, killed_at = train_killed_and_resumed(spec, tmp_path, kill_at=6)
-    assert killed_at < 12
-    assert len(losses(full)) == 12
-    assert losses(run) == losses(full)
-    assert val_losses(run) == val_losses(full)
-    assert (full / "data").glob("validation-stream-*.bin")
 
 
 @pytest.mark.parametrize(

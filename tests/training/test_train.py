@@ -203,14 +203,12 @@ def test_a_resume_that_cannot_continue_leaves_the_run_as_it_was(trained, overrid
 
 
 def test_resume_after_a_kill_reproduces_the_uninterrupted_losses(tmp_path):
-    spec = write_spec(
-        tmp_path, max_steps=120, eval_interval=40, checkpoint_interval=20, batch_size=8
-    )
-    full, run, killed_at = train_killed_and_resumed(spec, tmp_path, kill_at=40)
-    assert killed_at < 120
+    spec = write_spec(tmp_path, max_steps=48, eval_interval=16, checkpoint_interval=8, batch_size=8)
+    full, run, killed_at = train_killed_and_resumed(spec, tmp_path, kill_at=16)
+    assert killed_at < 48
     assert losses(run) == losses(full)
     assert val_losses(run) == val_losses(full)
-    assert len(losses(full)) == 120
+    assert len(losses(full)) == 48
     assert counts(run) == counts(full)  # tokens and trained tokens carried over exactly
 
 
