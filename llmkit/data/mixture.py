@@ -82,8 +82,16 @@ def prepare_mixture(
             log(line.replace("data: ", f"data[{name}]: ", 1))
 
         one = prepare_one(rs.with_source(part.source), run_dir, tokenizer, log=said)
-        parts.append(DataPart(part.name, weight, one.train, one.validation, one.source_description))
-    shares = ", ".join(f"{p.name} {p.weight:.1%} of {len(p.train):,} tokens" for p in parts)
+        parts.append(
+            DataPart(
+                part.name, weight, one.train, one.validation, one.source_description, one.stream
+            )
+        )
+    shares = ", ".join(
+        f"{p.name} {p.weight:.1%} of "
+        + ("a stream" if p.train is None else f"{len(p.train):,} tokens")
+        for p in parts
+    )
     log(f"data: mixture of {len(parts)} sources: {shares}")
     return tokenizer, parts
 
@@ -104,8 +112,16 @@ def _mixture_tokenizer(
     out = run_dir / "tokenizer.json"
 
     def texts() -> Iterator[str]:
-        streams = [iter_texts(s.splits(seed)["train"], seed) for s in sources]
+        streams = [_texts(s) for s in sources]
         return interleave_by_bytes(streams, weights)
+
+    def _texts(source: Any) -> Iterator[str]:
+        inputs = getattr(source, "stream_inputs", None)
+        if spec.data.streaming and callable(inputs) and inputs() is not None:
+            from llmkit.data.stream_prepare import training_texts
+
+            return training_texts(inputs())  # a streamed source is never loaded whole
+        return iter_texts(source.splits(seed)["train"], seed)
 
     prints = [getattr(s, "fingerprint", None) for s in sources]
     files = [f() if callable(f) else None for f in prints]

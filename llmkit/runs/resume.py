@@ -126,7 +126,7 @@ def _number(value: Any) -> bool:
 def _position(value: Any, depth: int = 0) -> bool:
     """A sampler's position: tables and lists (a mixture's per source, a stream's per
     worker) down to counts, finite numbers and strings."""
-    if depth > 8:
+    if depth > 16:
         return False
     if isinstance(value, dict):
         return all(isinstance(k, str) and _position(v, depth + 1) for k, v in value.items())

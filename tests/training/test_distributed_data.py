@@ -1,6 +1,6 @@
 """Data at scale under ``torchrun`` (2 processes, gloo): every rank reads disjoint rows from a
-mixture of a text source and a sharded token store, and from a stream; a job killed mid-run
-resumes exactly (the losses of the uninterrupted job)."""
+mixture of a streamed text source and a sharded token store, and a job killed mid-run resumes
+exactly (the losses of the uninterrupted job): mixtures, stores and streams in one job."""
 
 from __future__ import annotations
 
@@ -25,8 +25,9 @@ def _corpus(seed: int, words: list[str]) -> str:
 
 
 def mixture_spec(tmp_path: Path) -> Path:
-    """A char-level text source and a token store (``llmkit data prepare``, 4 shards) mixed
-    0.75 / 0.25, both in the store's tokenizer."""
+    """A streamed char-level text source (``data.streaming``: one DataLoader worker a rank)
+    and a token store (``llmkit data prepare``, 4 shards) mixed 0.75 / 0.25, both in the
+    store's tokenizer."""
     path = write_train_spec(
         tmp_path,
         _corpus(0, WORDS),
@@ -63,6 +64,7 @@ def mixture_spec(tmp_path: Path) -> Path:
     )
     first = spec["data"].pop("source")
     spec["tokenizer"] = {"kind": "char", "path": str(store / "tokenizer.json")}
+    spec["data"].update(streaming=True, stream_workers=1)
     spec["data"]["mixture"] = [
         {"name": "lower", "source": first, "weight": 3},
         {"name": "store", "source": {"name": "tokens", "path": str(store)}, "weight": 1},
@@ -137,17 +139,3 @@ def stream_spec(tmp_path: Path, workers: int) -> Path:
     }
     path.write_text(yaml.safe_dump(spec))
     return path
-
-
-def test_ranks_stream_disjoint_rows_and_a_killed_job_resumes_exactly(tmp_path):
-    spec = stream_spec(tmp_path, workers=1)
-    full, trace = tmp_path / "full", tmp_path / "trace"
-    ok(torchrun("train", str(spec), "--out", str(full), *TRAIN), **{TRACE_ENV: str(trace)})
-    rank0, rank1 = _rows(trace, 0), _rows(trace, 1)
-    assert len(rank0) == len(rank1) == STEPS * 4
-    assert not set(rank0) & set(rank1)
-    out = tmp_path / "run"
-    killed_at = _kill_after(torchrun("train", str(spec), "--out", str(out), *TRAIN), out, 3)
-    assert killed_at < STEPS
-    ok(torchrun("train", str(out), "--resume", *TRAIN))
-    assert metrics(out) == metrics(full)
