@@ -199,12 +199,10 @@ def test_evaluation_without_an_objective_is_cross_entropy(losses_on):
     assert res.ppl == pytest.approx(plain.ppl)  # perplexity stays the cross-entropy's
 
 
-@pytest.mark.parametrize(
-    "loss",
-    [{"name": "z_loss", "weight": 1e-3}, {"name": "label_smoothing", "smoothing": 0.1}],
-    ids=["z_loss", "label_smoothing"],
-)
-def test_a_run_with_a_loss_component_resumes_exactly(tmp_path, loss):
+def test_a_run_with_a_loss_component_resumes_exactly(tmp_path):
+    # One component stands for all: resume restores the objective's state the same way for
+    # every loss (label smoothing's own numbers are checked above, without a kill).
+    loss = {"name": "z_loss", "weight": 1e-3}
     spec = write_spec(
         tmp_path,
         loss,
@@ -218,8 +216,7 @@ def test_a_run_with_a_loss_component_resumes_exactly(tmp_path, loss):
     assert losses(run) == losses(full) and len(losses(full)) == 40
     assert val_losses(run) == val_losses(full)
     keys = [set(m) for m in read_metrics(run) if "loss" in m]
-    if loss["name"] == "z_loss":
-        assert all("metric/loss.z_loss" in k for k in keys)
+    assert all("metric/loss.z_loss" in k for k in keys)
 
 
 def test_llmkit_eval_reports_the_runs_objective_beside_cross_entropy(losses_on, tmp_path, capsys):
