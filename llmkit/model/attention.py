@@ -8,7 +8,7 @@ import math
 
 from torch import Tensor, nn
 
-from llmkit.contracts import AttentionInputs, AttentionKernel, BuildContext
+from llmkit.contracts import AttentionInputs, AttentionKernel, BuildContext, DistanceBias
 from llmkit.errors import LlmkitError
 
 __all__ = ["Attention"]
@@ -41,15 +41,51 @@ class Attention(nn.Module):
         # Kernels scale scores by 1/√D; another softmax scale s multiplies q by s·√D first.
         scale = ctx.attn_scale
         self.q_multiplier = None if scale is None else scale * math.sqrt(ctx.head_dim)
+        #: Under tensor parallelism (:meth:`split_heads`): the first of this rank's heads,
+        #: and the fused projection's rows are in key/value-head groups.
+        self.head_offset = 0
+        self.grouped = False
+
+    def split_heads(self, tp: int, rank: int) -> Tensor:
+        """Prepare for tensor parallelism over ``tp`` ranks (this one ``rank``): reorder the
+        fused projection's rows into key/value-head groups (each group's query heads, its
+        key head, its value head), so that a split of the rows gives each rank whole groups,
+        and keep ``n_heads / tp`` heads here. Returns the reordering (row indices)."""
+        import torch
+
+        from llmkit.parallel.tensor import grouped_rows
+
+        H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
+        if H % tp or Hkv % tp:
+            raise LlmkitError(
+                f"tensor parallelism over {tp} ranks needs n_heads ({H}) and n_kv_heads "
+                f"({Hkv}) to be multiples of {tp}"
+            )
+        rows = grouped_rows(H, Hkv, D)
+        with torch.no_grad():
+            self.qkv.weight.copy_(self.qkv.weight[rows.to(self.qkv.weight.device)])
+            if self.qkv.bias is not None:
+                self.qkv.bias.copy_(self.qkv.bias[rows.to(self.qkv.bias.device)])
+        self.n_heads, self.n_kv_heads = H // tp, Hkv // tp
+        self.head_offset = rank * self.n_heads
+        self.grouped = True
+        return rows
 
     def forward(self, x: Tensor, inputs: AttentionInputs) -> Tensor:
         """``x`` (B, T, C) → (B, T, C)."""
         B, T, _ = x.shape
         H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
-        q, k, v = self.qkv(x).split([H * D, Hkv * D, Hkv * D], dim=-1)
-        q = q.view(B, T, H, D).transpose(1, 2)  # (B, H, T, D)
-        k = k.view(B, T, Hkv, D).transpose(1, 2)  # (B, Hkv, T, D)
-        v = v.view(B, T, Hkv, D).transpose(1, 2)
+        if self.grouped:  # rows in groups: per kv head, its q heads, k, v
+            per = H // Hkv
+            qkv = self.qkv(x).view(B, T, Hkv, per + 2, D)
+            q = qkv[:, :, :, :per].reshape(B, T, H, D).transpose(1, 2)
+            k = qkv[:, :, :, per].transpose(1, 2)
+            v = qkv[:, :, :, per + 1].transpose(1, 2)
+        else:
+            q, k, v = self.qkv(x).split([H * D, Hkv * D, Hkv * D], dim=-1)
+            q = q.view(B, T, H, D).transpose(1, 2)  # (B, H, T, D)
+            k = k.view(B, T, Hkv, D).transpose(1, 2)  # (B, Hkv, T, D)
+            v = v.view(B, T, Hkv, D).transpose(1, 2)
         if self.qk_transform is not None:
             q, k = self.qk_transform(q, k)
         position = inputs.position
@@ -67,6 +103,8 @@ class Attention(nn.Module):
         elif mask is not None:
             mask = mask[:, -k.shape[2] :]
         bias = position.score_bias()
+        if bias is not None and self.grouped:  # this rank's heads' slopes
+            bias = DistanceBias(bias.slopes[self.head_offset : self.head_offset + H])
         y = self.kernel(q, k, v, causal=True, bias=bias, key_padding_mask=mask, **docs)
         y = y.transpose(1, 2).reshape(B, T, H * D)
         return self.out_proj(y)

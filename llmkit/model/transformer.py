@@ -66,13 +66,30 @@ def build(resolved: Resolved, ctx: BuildContext, *args: Any) -> nn.Module:
         raise LlmkitError(f"{resolved.kind} {resolved.name!r} ({where}): {exc}") from exc
 
 
-def build_layer(plan: LayerPlan, ctx: BuildContext) -> tuple[nn.Module, Attention]:
-    """The block of one layer and its attention module."""
+@dataclass
+class LayerParts:
+    """One layer as built: its block, and the parts the block was given (the norms it
+    asked for, in order), which tensor parallelism splits by their own plans."""
+
+    block: nn.Module
+    attention: Attention
+    ffn: nn.Module
+    norms: list[nn.Module]
+
+
+def build_layer(plan: LayerPlan, ctx: BuildContext) -> LayerParts:
+    """The block of one layer and its parts."""
     qk = plan.get("qk_transform")
     kernel = build(plan.attention, ctx)
     attention = Attention(ctx, kernel, build(qk, ctx) if qk is not None else None)
     ffn = build(plan.ffn, ctx)
-    parts = BlockParts(attention=attention, ffn=ffn, norm=lambda: build(plan.norm, ctx))
+    norms: list[nn.Module] = []
+
+    def norm() -> nn.Module:
+        norms.append(build(plan.norm, ctx))
+        return norms[-1]
+
+    parts = BlockParts(attention=attention, ffn=ffn, norm=norm)
     block = build(plan.block, ctx, parts)
     kept = {id(m) for m in block.modules()}
     for part, what in ((attention, "attention module"), (ffn, "ffn")):
@@ -81,7 +98,7 @@ def build_layer(plan: LayerPlan, ctx: BuildContext) -> tuple[nn.Module, Attentio
                 f"block {plan.block.name!r} (layer {ctx.layer}) does not keep the {what} it "
                 "was given as a submodule (see llmkit.contracts)"
             )
-    return block, attention
+    return LayerParts(block, attention, ffn, norms)
 
 
 class Transformer(nn.Module):
@@ -119,8 +136,12 @@ class Transformer(nn.Module):
             self._position_keys.append(keys[id(plan.position)])
         self.drop = Dropout(m.dropout)
         built = [build_layer(plan, replace(ctx, layer=j)) for j, plan in enumerate(rs.layers)]
-        self.layers = nn.ModuleList(block for block, _ in built)
-        self._attention = [attention for _, attention in built]  # not registered twice
+        self.layers = nn.ModuleList(part.block for part in built)
+        self._attention = [part.attention for part in built]  # not registered twice
+        self._ffn = [part.ffn for part in built]
+        self._norms = [part.norms for part in built]
+        #: Set by :func:`llmkit.parallel.tensor.parallelize_transformer` (tensor parallelism).
+        self.tensor_parallel: Any = None
         self.norm_f = build(rs.norm, ctx) if m.final_norm else nn.Identity()
         self.lm_head = nn.Linear(m.d_model, m.vocab_size, bias=m.head_bias)
         scale = m.embedding_scale
@@ -138,6 +159,16 @@ class Transformer(nn.Module):
     def attention_modules(self) -> list[Attention]:
         """Each layer's attention module, in layer order (wherever its block keeps it)."""
         return self._attention
+
+    @property
+    def ffn_modules(self) -> list[nn.Module]:
+        """Each layer's ffn, in layer order."""
+        return self._ffn
+
+    @property
+    def norm_modules(self) -> list[list[nn.Module]]:
+        """The norms each layer's block asked for, in order."""
+        return self._norms
 
     # -- init --------------------------------------------------------------------------------
     def reset_parameters(self) -> None:
@@ -222,6 +253,14 @@ class Transformer(nn.Module):
         x = self.position.embed(x, positions)
         if self.training and self.drop.p > 0:
             x = self.drop(x)
+        tp = self.tensor_parallel
+        if tp is not None:
+            if cache is not None or last_only:
+                raise LlmkitError(
+                    "a tensor-parallel model trains and evaluates; generate from its "
+                    "checkpoint (whole weights) instead"
+                )
+            x = tp.split_sequence(x)  # sequence parallelism between layers
         recompute = self.activation_checkpointing and self.training and cache is None
         for j, block in enumerate(self.layers):
             inputs = AttentionInputs(
@@ -242,7 +281,12 @@ class Transformer(nn.Module):
             c = self.logit_softcap
             logits = torch.tanh(logits / c) * c
         loss = None
-        if targets is not None:
+        if tp is not None:
+            if targets is not None:
+                loss = tp.cross_entropy(logits, targets)
+            if targets is None or not self.training:
+                logits = tp.whole(logits)
+        elif targets is not None:
             loss = F.cross_entropy(
                 logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-100
             )

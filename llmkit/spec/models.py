@@ -313,6 +313,51 @@ class DistillSpec(Strict):
     )
 
 
+class ParallelSpec(Strict):
+    """``[train.parallel]``: the device mesh ``dp_replicate × dp_shard × cp × tp × pp`` (as
+    torchtitan composes it). Their product is the job's world size; one of ``dp_replicate``
+    and ``dp_shard`` may be -1: whatever the others leave (:mod:`llmkit.parallel.layout`)."""
+
+    dp_replicate: int = Field(
+        1, ge=-1, le=1_000_000, description="Data-parallel replicas (DDP-like; -1 = fill)."
+    )
+    dp_shard: int = Field(
+        -1, ge=-1, le=1_000_000, description="Data-parallel shards (FSDP2; -1 = fill)."
+    )
+    cp: int = Field(
+        1, ge=1, le=65_536, description="Context parallelism: ranks splitting each sequence."
+    )
+    tp: int = Field(
+        1, ge=1, le=65_536, description="Tensor parallelism: ranks splitting each layer."
+    )
+    pp: int = Field(1, ge=1, le=65_536, description="Pipeline parallelism: pipeline stages.")
+    schedule: Literal["1f1b", "gpipe", "interleaved_1f1b"] = Field(
+        "1f1b", description="The pipeline schedule (pp > 1)."
+    )
+    microbatches: int | None = Field(
+        None,
+        gt=0,
+        le=1_000_000,
+        description="Pipeline micro-batches per batch (pp > 1); default pp (interleaved: 2·pp); "
+        "must divide train.batch_size.",
+    )
+    stages_per_rank: int | None = Field(
+        None,
+        gt=0,
+        le=64,
+        description="Pipeline stages each rank holds: 1, or ≥ 2 for interleaved_1f1b "
+        "(default 2 there).",
+    )
+
+    @model_validator(mode="after")
+    def _fill(self) -> ParallelSpec:
+        if self.dp_replicate == 0 or self.dp_shard == 0:
+            raise ValueError("dp_replicate and dp_shard are ≥ 1, or -1 to fill")
+        if self.dp_replicate == -1 and self.dp_shard == -1:
+            raise ValueError("only one of dp_replicate and dp_shard can be -1 (fill)")
+        return self
+
+
 class TrainSpec(Strict):
     """The training recipe besides optimizer and schedule."""
 
@@ -368,10 +413,11 @@ class TrainSpec(Strict):
         description="Tokens of the sample printed at the end.",
     )
     sample_prompt: str = Field("", description="Prompt of the sample printed at the end.")
-    parallel: Literal["auto", "none", "ddp", "fsdp"] = Field(
+    parallel: Literal["auto", "none", "ddp", "fsdp"] | ParallelSpec = Field(
         "auto",
-        description="Under torchrun: ddp (replicas) or fsdp (FSDP2 sharding); auto = ddp "
-        "when launched on several processes. One process trains plainly.",
+        description="Under torchrun: ddp (replicas), fsdp (FSDP2 sharding), or a table "
+        "composing dp_replicate × dp_shard × cp × tp × pp on a device mesh; auto = ddp when "
+        "launched on several processes. One process trains plainly.",
     )
     fsdp_cpu_offload: bool = Field(
         False, description="FSDP: keep parameters, gradients and optimizer state on the CPU."

@@ -10,6 +10,8 @@ which every other kernel is tested against.
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch import Tensor
 
 from llmkit.components.attention.options import DenseAttentionOptions
@@ -30,6 +32,10 @@ class DenseAttention(AttentionKernel):
         self.window = options.window
         self.softcap = options.softcap
         self.cache_window = options.window
+
+    def tensor_parallel_plan(self, tp: int) -> dict[str, Any]:
+        """Tensor parallelism: computes on the rank's heads; no weights to split."""
+        return {}
 
     def forward(
         self,

@@ -11,6 +11,8 @@ of earlier documents) and as a block-diagonal mask on the reference path.
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch import Tensor
 
 from llmkit.contracts import AttentionKernel, DistanceBias, NoOptions
@@ -31,6 +33,10 @@ class FlashAttention(AttentionKernel):
     def runtime_backend(cls) -> str:
         """Which path this component takes on this machine (printed by ``llmkit show``)."""
         return runtime.describe_backend(NAME)
+
+    def tensor_parallel_plan(self, tp: int) -> dict[str, Any]:
+        """Tensor parallelism: computes on the rank's heads; no weights to split."""
+        return {}
 
     def forward(
         self,

@@ -14,6 +14,8 @@ causal mask (:func:`llmkit.ops.sdpa_attention`), on every path.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
 
@@ -52,6 +54,10 @@ class SDPAttention(AttentionKernel):
     def __init__(self, options: SDPAttentionOptions, ctx: BuildContext) -> None:
         super().__init__(options, ctx)
         self.dropout = options.dropout
+
+    def tensor_parallel_plan(self, tp: int) -> dict[str, Any]:
+        """Tensor parallelism: computes on the rank's heads; no weights to split."""
+        return {}
 
     def forward(
         self,

@@ -20,6 +20,8 @@ with the window and the documents as one boolean mask (O(L²) scores; with dropo
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch import Tensor
 
 from llmkit.components.attention.options import SlidingWindowOptions
@@ -108,6 +110,10 @@ class SlidingWindowAttention(AttentionKernel):
         self.window = options.window
         self.dropout = options.dropout
         self.cache_window = options.window
+
+    def tensor_parallel_plan(self, tp: int) -> dict[str, Any]:
+        """Tensor parallelism: computes on the rank's heads; no weights to split."""
+        return {}
 
     def forward(
         self,

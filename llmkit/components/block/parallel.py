@@ -4,6 +4,8 @@ x + attn(norm1(x)) + ffn(norm(x)), with one shared norm (GPT-J, Phi, PaLM) or tw
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch import Tensor
 
 from llmkit.components.block.options import ParallelOptions
@@ -21,6 +23,10 @@ class ParallelBlock(Block):
         self.attn = parts.attention
         self.norm2 = None if options.shared_norm else parts.norm()
         self.ffn = parts.ffn
+
+    def tensor_parallel_plan(self, tp: int) -> dict[str, Any]:
+        """Tensor parallelism: no weights of its own (its parts declare theirs)."""
+        return {}
 
     def forward(self, x: Tensor, inputs: AttentionInputs) -> Tensor:
         h = self.norm1(x)

@@ -3,7 +3,7 @@ sublayer's residual sum is normalized, norm1(x + attn(x)), then norm2(Â· + ffn(Â
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from torch import Tensor
 
@@ -22,6 +22,10 @@ class PostNormBlock(Block):
         self.attn = parts.attention
         self.norm2 = parts.norm()
         self.ffn = parts.ffn
+
+    def tensor_parallel_plan(self, tp: int) -> dict[str, Any]:
+        """Tensor parallelism: no weights of its own (its parts declare theirs)."""
+        return {}
 
     def forward(self, x: Tensor, inputs: AttentionInputs) -> Tensor:
         x = self.norm1(x + self.dropout(self.attn(x, inputs)))

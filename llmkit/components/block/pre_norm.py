@@ -3,7 +3,7 @@ GPT-2, LLaMA): x + attn(norm1(x)), then + ffn(norm2(·))."""
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from torch import Tensor
 
@@ -22,6 +22,10 @@ class PreNormBlock(Block):
         self.attn = parts.attention
         self.norm2 = parts.norm()
         self.ffn = parts.ffn
+
+    def tensor_parallel_plan(self, tp: int) -> dict[str, Any]:
+        """Tensor parallelism: no weights of its own (its parts declare theirs)."""
+        return {}
 
     def forward(self, x: Tensor, inputs: AttentionInputs) -> Tensor:
         x = x + self.dropout(self.attn(self.norm1(x), inputs))

@@ -6,6 +6,8 @@ x + norm(attn(x)) (OLMo 2, OLMo et al. 2024: "norms after the sublayer")."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch import Tensor, nn
 
 from llmkit.components.block.options import SandwichOptions
@@ -27,6 +29,10 @@ class SandwichBlock(Block):
         self.norm2 = parts.norm() if inputs else nn.Identity()
         self.ffn = parts.ffn
         self.ffn_post_norm = parts.norm()
+
+    def tensor_parallel_plan(self, tp: int) -> dict[str, Any]:
+        """Tensor parallelism: no weights of its own (its parts declare theirs)."""
+        return {}
 
     def forward(self, x: Tensor, inputs: AttentionInputs) -> Tensor:
         x = x + self.dropout(self.attn_post_norm(self.attn(self.norm1(x), inputs)))

@@ -10,6 +10,7 @@ projections and forward pass that ``swiglu`` and ``geglu`` share (their options:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import Any
 
 from torch import Tensor, nn
 
@@ -21,6 +22,13 @@ class GatedFFN(nn.Module, ABC):
     """``out_proj(activate(gate_proj(x), up_proj(x)))``; subclasses define :meth:`activate`."""
 
     Options = GatedFFNOptions
+
+    def tensor_parallel_plan(self, tp: int) -> dict[str, Any]:
+        """Tensor parallelism: the hidden units split (gate and up alike; Megatron-LM)."""
+        from llmkit.parallel.tensor import check_divides, column, row
+
+        check_divides("the gated ffn's hidden size", self.up_proj.out_features, tp)
+        return {"gate_proj": column(), "up_proj": column(), "out_proj": row()}
 
     def __init__(self, options: GatedFFNOptions, ctx: BuildContext) -> None:
         super().__init__()

@@ -61,6 +61,13 @@ class MLP(nn.Module):
 
     Options = MLPOptions
 
+    def tensor_parallel_plan(self, tp: int) -> dict[str, Any]:
+        """Tensor parallelism: the hidden units split (Megatron-LM)."""
+        from llmkit.parallel.tensor import check_divides, column, row
+
+        check_divides("the mlp's hidden size", self.in_proj.out_features, tp)
+        return {"in_proj": column(), "out_proj": row()}
+
     def __init__(self, options: MLPOptions, ctx: BuildContext) -> None:
         super().__init__()
         self.options = options

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -23,6 +25,12 @@ class LayerNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(self.features))
         use_bias = ctx.bias if options.bias is None else options.bias
         self.bias = nn.Parameter(torch.zeros(self.features)) if use_bias else None
+
+    def tensor_parallel_plan(self, tp: int) -> dict[str, Any]:
+        """Tensor parallelism: sequence-parallel (each rank's tokens, whole weights)."""
+        from llmkit.parallel.tensor import sequence
+
+        return {"": sequence()}
 
     def forward(self, x: Tensor) -> Tensor:
         return F.layer_norm(x, (self.features,), self.weight, self.bias, self.eps)

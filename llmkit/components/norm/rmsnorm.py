@@ -30,6 +30,12 @@ class RMSNorm(nn.Module):
         self.offset = options.offset
         self.weight = nn.Parameter(torch.full((self.features,), 1.0 - self.offset))
 
+    def tensor_parallel_plan(self, tp: int) -> dict[str, Any]:
+        """Tensor parallelism: sequence-parallel (each rank's tokens, whole weights)."""
+        from llmkit.parallel.tensor import sequence
+
+        return {"": sequence()}
+
     def forward(self, x: Tensor) -> Tensor:
         if x.device.type == "cpu" and not torch.compiler.is_compiling():
             return _RMSNormCPU.apply(x, self.weight, self.offset, self.eps)

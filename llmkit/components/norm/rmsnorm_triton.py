@@ -24,7 +24,9 @@ class RMSNormTriton(RMSNorm):
     Sennrich 2019); fp32 math, output in the input dtype."""
 
     def forward(self, x: Tensor) -> Tensor:
-        if runtime.use_triton(x, self.weight):
+        # A DTensor (sequence-parallel under tensor parallelism) runs the reference: the
+        # kernel has no sharding rule.
+        if not hasattr(x, "placements") and runtime.use_triton(x, self.weight):
             # Imported lazily: only calls that run the kernel load it.
             from llmkit.kernels import rmsnorm as kernel
 

@@ -7,7 +7,7 @@ geometric sequence, so no position information enters the embeddings.
 from __future__ import annotations
 
 import math
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
@@ -41,6 +41,11 @@ class ALiBi(PositionalScheme):
 
     Options = ALiBiOptions
     acts_on: ClassVar[frozenset[str]] = frozenset({"score_bias"})
+
+    def tensor_parallel_plan(self, tp: int) -> dict[str, Any]:
+        """Tensor parallelism: nothing to split (acts before the sequence is split, or on
+        the rank's heads)."""
+        return {}
 
     def __init__(self, options: ALiBiOptions, ctx: BuildContext) -> None:
         super().__init__(options, ctx)

@@ -5,7 +5,7 @@ As in GPT (Radford et al. 2018) and GPT-2 (Radford et al. 2019); the table is ``
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from torch import Tensor, nn
 
@@ -17,6 +17,11 @@ class LearnedPosition(PositionalScheme):
 
     Options = NoOptions
     acts_on: ClassVar[frozenset[str]] = frozenset({"embedding"})
+
+    def tensor_parallel_plan(self, tp: int) -> dict[str, Any]:
+        """Tensor parallelism: nothing to split (acts before the sequence is split, or on
+        the rank's heads)."""
+        return {}
 
     def __init__(self, options: NoOptions, ctx: BuildContext) -> None:
         super().__init__(options, ctx)

@@ -6,7 +6,7 @@ Transformers".
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from llmkit.contracts import BuildContext, NoOptions, PositionalScheme
 
@@ -16,6 +16,11 @@ class NoPosition(PositionalScheme):
 
     Options = NoOptions
     acts_on: ClassVar[frozenset[str]] = frozenset()
+
+    def tensor_parallel_plan(self, tp: int) -> dict[str, Any]:
+        """Tensor parallelism: nothing to split (acts before the sequence is split, or on
+        the rank's heads)."""
+        return {}
 
     def __init__(self, options: NoOptions, ctx: BuildContext) -> None:
         super().__init__(options, ctx)

@@ -67,6 +67,11 @@ class RotaryPosition(PositionalScheme):
     Options = RotaryOptions
     acts_on: ClassVar[frozenset[str]] = frozenset({"qk"})
 
+    def tensor_parallel_plan(self, tp: int) -> dict[str, Any]:
+        """Tensor parallelism: nothing to split (acts before the sequence is split, or on
+        the rank's heads)."""
+        return {}
+
     def __init__(self, options: RotaryOptions, ctx: BuildContext) -> None:
         super().__init__(options, ctx)
         head_dim = ctx.head_dim

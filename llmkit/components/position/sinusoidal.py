@@ -6,7 +6,7 @@ PE[p, 2i+1] = cos(p / base^(2i/d)).
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -29,6 +29,11 @@ class SinusoidalPosition(PositionalScheme):
 
     Options = SinusoidalOptions
     acts_on: ClassVar[frozenset[str]] = frozenset({"embedding"})
+
+    def tensor_parallel_plan(self, tp: int) -> dict[str, Any]:
+        """Tensor parallelism: nothing to split (acts before the sequence is split, or on
+        the rank's heads)."""
+        return {}
 
     def __init__(self, options: SinusoidalOptions, ctx: BuildContext) -> None:
         super().__init__(options, ctx)

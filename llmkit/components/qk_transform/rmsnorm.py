@@ -9,6 +9,7 @@ offset (Gemma 3's 1 + w) and the fp32 computation are the norm's own.
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 from torch import Tensor
 
@@ -22,6 +23,12 @@ class QKRMSNorm(QKTransform):
     """``q_norm(q)``, ``k_norm(k)``: RMSNorm over D of q (B, Hq, T, D) and k (B, Hkv, T, D)."""
 
     Options = QKRMSNormOptions
+
+    def tensor_parallel_plan(self, tp: int) -> dict[str, Any]:
+        """Tensor parallelism: per-head norms, whole weights, on the rank's heads."""
+        from llmkit.parallel.tensor import HeadShards
+
+        return {"": HeadShards()}
 
     def __init__(self, options: QKRMSNormOptions, ctx: BuildContext) -> None:
         super().__init__(options, ctx)
