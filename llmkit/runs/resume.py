@@ -99,9 +99,12 @@ def read_checkpoint(ckpt: Path, strategy: Ranks) -> tuple[dict[str, Any], dict[s
     """The trainer state and this rank's own state of ``ckpt``, after checking every file this
     rank will read against the checksums in ``meta.json``, the state's fields, and that the
     weights file reads (header only); :class:`DamagedCheckpoint` when one does not."""
-    from_shards = strategy.sharded and (ckpt / SHARDS).is_dir()
-    own = rank_file(strategy.rank)
     state = load_state(ckpt)
+    reads = getattr(strategy, "reads_shards", None)
+    from_shards = (reads(ckpt, state) if reads is not None else strategy.sharded) and (
+        ckpt / SHARDS
+    ).is_dir()
+    own = rank_file(strategy.rank)
     check_state(state, ckpt / STATE)
     if not from_shards:
         weight_shapes(ckpt / WEIGHTS)

@@ -105,8 +105,12 @@ def gathered_state(sampler: Any, strategy: Any) -> dict[str, Any]:
     import torch.distributed as dist
 
     states: list[Any] = [None] * strategy.world_size
-    dist.all_gather_object(states, state)
-    return {"ranks": states}
+    dist.all_gather_object(states, (strategy.data_rank, state))
+    # one per data-parallel rank (its tensor/context/pipeline peers read the same rows)
+    kept: dict[int, Any] = {}
+    for data_rank, s in states:
+        kept.setdefault(data_rank, s)
+    return {"ranks": [kept[r] for r in range(strategy.data_world)]}
 
 
 def rank_state(state: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]:
@@ -118,8 +122,8 @@ def rank_state(state: dict[str, Any], rank: int, world_size: int) -> dict[str, A
         from llmkit.errors import LlmkitError
 
         raise LlmkitError(
-            f"resume: the checkpoint's streamed data position is of {len(ranks)} ranks; "
-            f"resume it on {len(ranks)}, not {world_size}"
+            f"resume: the checkpoint's streamed data position is of {len(ranks)} "
+            f"data-parallel ranks; resume it with {len(ranks)}, not {world_size}"
         )
     return ranks[rank]
 

@@ -44,8 +44,9 @@ class DistContext:
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
-    parallel: str = "none"  # "none", "ddp" or "fsdp"
+    parallel: str = "none"  # "none", "ddp", "fsdp" or "mesh"
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    layout: Any = None  # llmkit.parallel.layout.Layout (None: one process)
 
     @property
     def is_main(self) -> bool:
@@ -106,25 +107,24 @@ class DistContext:
         return box[0]
 
 
-def setup(parallel: str, device: str, timeout_s: float) -> DistContext:
+def setup(parallel: Any, device: str, timeout_s: float) -> DistContext:
     """The :class:`DistContext` for this process, joining the process group if launched.
 
     ``parallel`` is ``train.parallel``: ``auto`` means DDP when launched on several
-    processes; ``ddp``/``fsdp`` on one process train plainly (nothing to split).
+    processes; ``ddp``/``fsdp`` on one process train plainly (nothing to split); a table is
+    a mesh layout (:func:`llmkit.parallel.layout.resolve_layout`), checked against the world
+    size before the process group is joined.
     """
     from llmkit import hardware
+    from llmkit.parallel.layout import resolve_layout
 
     world = launched_world_size()
+    layout = resolve_layout(parallel, world)
     if world <= 1:
-        return DistContext(device=hardware.choose_device(device))
+        return DistContext(device=hardware.choose_device(device), layout=layout)
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    chosen = "ddp" if parallel in ("auto", "none") else parallel
-    if parallel == "none":
-        raise LlmkitError(
-            f"train.parallel is 'none' but the job was launched on {world} processes; "
-            "set train.parallel to 'ddp' or 'fsdp' (or 'auto')"
-        )
+    chosen = layout.mode
     dev = hardware.choose_device(device)
     if dev.type == "cuda":
         dev = torch.device("cuda", local_rank)
@@ -138,7 +138,7 @@ def setup(parallel: str, device: str, timeout_s: float) -> DistContext:
     if not torch.distributed.is_initialized():
         torch.distributed.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
         _INITIALIZED = True
-    return DistContext(rank, world, local_rank, chosen, dev)
+    return DistContext(rank, world, local_rank, chosen, dev, layout)
 
 
 def full_tensor(x: torch.Tensor) -> torch.Tensor:
@@ -293,6 +293,42 @@ def optimizer_state_by_index(saved: dict[str, Any]) -> dict[str, Any]:
             index += 1
         groups.append({**group, "params": ids})
     return {"state": state, "param_groups": groups}
+
+
+def optimizer_state_by_name(
+    saved: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer
+) -> dict[str, Any]:
+    """An ``Optimizer.state_dict()`` (parameters numbered in group order) keyed by parameter
+    name instead, the names read from ``optimizer``'s groups: the same optimizer built on
+    the same model numbers them alike."""
+    names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+    order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+    state = {order[i]: v for i, v in saved["state"].items()}
+    groups, index = [], 0
+    for group in saved["param_groups"]:
+        n = len(group["params"])
+        groups.append({**group, "params": order[index : index + n]})
+        index += n
+    return {"state": state, "param_groups": groups}
+
+
+def load_full_state(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    weights: dict[str, torch.Tensor],
+    optimizer_state: dict[str, Any],
+) -> None:
+    """Whole weights and an optimizer state keyed by parameter name, on every rank, loaded
+    into a model split in any way (each rank keeps its part)."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    opts = StateDictOptions(full_state_dict=True)
+    set_model_state_dict(model, weights, options=opts)
+    set_optimizer_state_dict(model, optimizer, optimizer_state, options=opts)
 
 
 def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:

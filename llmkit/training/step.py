@@ -234,7 +234,8 @@ class TrainStep:
         counts = torch.stack([(y != IGNORE).sum() for y in targets])  # int64: exact
         total = self.strategy.sum_tensor(counts.sum())
         shares = counts.float() * self.strategy.world_size / total.float()
-        return torch.where(total > 0, shares, 1.0 / len(targets)), total
+        trained = total // self.strategy.data_replicas  # tensor/pipeline peers count alike
+        return torch.where(total > 0, shares, 1.0 / len(targets)), trained
 
     def _to_device(self, t: Tensor) -> Tensor:
         """A batch tensor on the step's device: a CPU tensor bound for a GPU is copied from
@@ -248,12 +249,7 @@ class TrainStep:
     def _grad_norm(self) -> Tensor:
         """The gradients' total norm (before clipping), clipping them to ``grad_clip`` — a
         device scalar; neither reads it on the host (no ``error_if_nonfinite``)."""
-        if math.isinf(self.clip) and hasattr(torch.nn.utils, "get_total_norm"):  # torch ≥ 2.6
-            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-            norm = torch.nn.utils.get_total_norm(grads)
-        else:
-            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
-        return self.strategy.full_tensor(norm)
+        return self.strategy.clip_grad_norm(self.model.parameters(), self.clip)
 
     def __call__(
         self, next_batch: Callable[[], tuple[Tensor, Tensor]], lr_factor: float | None = None

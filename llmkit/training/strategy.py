@@ -39,9 +39,21 @@ class ParallelStrategy:
     """
 
     def __init__(self, ctx: DistContext | None = None) -> None:
+        from llmkit.parallel.layout import Layout
+        from llmkit.parallel.tensor import CanonicalOrder
+
         self.ctx = ctx if ctx is not None else DistContext()
         self.mode = self.ctx.parallel if self.ctx.distributed else "single"
+        self.layout: Layout = self.ctx.layout or Layout(form="none")
         self._export: nn.Module | None = None
+        #: Rows the model keeps in another order than its checkpoints (tensor parallelism).
+        self.order = CanonicalOrder()
+        self.place: Any = None  # llmkit.parallel.mesh.MeshPlace, in mesh mode
+        self._fsdp = self.mode == "fsdp"
+        if self.mode == "mesh":
+            from llmkit.parallel.mesh import build_mesh
+
+            self.place = build_mesh(self.layout, self.device.type)
 
     @classmethod
     def single(cls, device: torch.device | str = "cpu") -> ParallelStrategy:
@@ -77,8 +89,25 @@ class ParallelStrategy:
 
     @property
     def sharded(self) -> bool:
-        """FSDP: parameters and optimizer state are split across ranks."""
-        return self.mode == "fsdp"
+        """FSDP or a mesh: parameters and optimizer state are split across ranks."""
+        return self.mode in ("fsdp", "mesh")
+
+    @property
+    def data_rank(self) -> int:
+        """This rank's index among the ranks reading different rows (data parallelism):
+        tensor-, context- and pipeline-parallel peers read the same rows."""
+        return self.place.data_rank if self.place is not None else self.rank
+
+    @property
+    def data_replicas(self) -> int:
+        """How many ranks read each row whole (tensor- and pipeline-parallel peers; context
+        parallel peers read different tokens of it)."""
+        return self.layout.tp * self.layout.pp if self.place is not None else 1
+
+    @property
+    def data_world(self) -> int:
+        """How many ranks read different rows (the data-parallel degree)."""
+        return self.layout.dp if self.place is not None else self.world_size
 
     # -- collectives -------------------------------------------------------------------------
     def barrier(self) -> None:
@@ -129,10 +158,11 @@ class ParallelStrategy:
         """The one-line summary of a multi-process job (None on a single process)."""
         if not self.distributed:
             return None
+        what = self.mode if self.mode != "mesh" else f"mesh {self.layout.describe()}"
         return (
-            f"distributed: {self.mode} on {self.world_size} processes "
+            f"distributed: {what} on {self.world_size} processes "
             f"({torch.distributed.get_backend()}); global batch "
-            f"{batch_size * grad_accum * self.world_size} sequences"
+            f"{batch_size * grad_accum * self.data_world} sequences"
         )
 
     def wrap(self, model: nn.Module, train: Any, precision: str) -> nn.Module:
@@ -147,9 +177,17 @@ class ParallelStrategy:
             ids = [self.device.index] if self.device.type == "cuda" else None
             return DistributedDataParallel(model, device_ids=ids)
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 
-        mesh = init_device_mesh(self.device.type, (self.world_size,))
+        from llmkit.parallel.mesh import fully_shard_model
+
+        if self.mode == "mesh":
+            mesh = self._compose(model)
+            if mesh is None:  # no data-parallel ranks: nothing for FSDP to shard
+                return model
+            self._fsdp = True
+        else:
+            mesh = init_device_mesh(self.device.type, (self.world_size,))
         low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
         kw: dict[str, Any] = {
             "mesh": mesh,
@@ -160,10 +198,34 @@ class ParallelStrategy:
             kw["offload_policy"] = CPUOffloadPolicy()
         elif train.fsdp_cpu_offload and self.is_main:
             log.info("train.fsdp_cpu_offload: training on the CPU already; nothing to offload")
-        for block in model.layers:
-            fully_shard(block, **kw)
-        fully_shard(model, **kw)
+        fully_shard_model(model, model.layers, **kw)
         return model
+
+    def _compose(self, model: nn.Module) -> Any:
+        """Apply the mesh's model parallelism to ``model`` in place (tensor parallelism by
+        the components' plans) and return the mesh FSDP2 shards over (None: one rank)."""
+        place = self.place
+        if self.layout.tp > 1:
+            from llmkit.parallel.tensor import parallelize_transformer
+
+            self.order = parallelize_transformer(model, place.sub("tp"))
+        return place.fsdp_mesh()
+
+    def clip_grad_norm(self, params: Any, max_norm: float) -> Tensor:
+        """The gradients' total norm before clipping (a device scalar), clipping them to
+        ``max_norm``; over a mesh, every split of the parameters counted once."""
+        import math
+
+        params = list(params)
+        if self.mode == "mesh":
+            from llmkit.parallel.mesh import clip_grad_norm
+
+            return clip_grad_norm(params, max_norm, world=self.world_size, pp=self.layout.pp)
+        if math.isinf(max_norm) and hasattr(torch.nn.utils, "get_total_norm"):  # torch ≥ 2.6
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+        else:
+            norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        return self.full_tensor(norm)
 
     @contextlib.contextmanager
     def grad_sync(self, wrapped: nn.Module, sync: bool) -> Iterator[None]:
@@ -172,7 +234,7 @@ class ParallelStrategy:
             with contextlib.nullcontext() if sync else wrapped.no_sync():
                 yield
             return
-        if self.mode == "fsdp":
+        if self._fsdp:
             wrapped.set_requires_gradient_sync(sync)  # FSDP2: also reduce-scatters only then
         yield
 
@@ -190,6 +252,7 @@ class ParallelStrategy:
         full = distributed.full_model_state(model)  # collective
         if not self.is_main:
             return None
+        full = self.order.state_to_canonical(full)
         if self._export is None:
             self._export = build()
         self._export.load_state_dict(full)
@@ -200,8 +263,8 @@ class ParallelStrategy:
         """This rank's rows of each batch (dealt out round-robin), and batches to run without
         counting: FSDP forwards are collective, so a rank whose share of a short last batch
         is empty still runs one (on another batch's rows)."""
-        ws = self.world_size
-        mine = [(x[self.rank :: ws], y[self.rank :: ws]) for x, y in batches]
+        ws, rank = self.data_world, self.data_rank
+        mine = [(x[rank::ws], y[rank::ws]) for x, y in batches]
         counted = [b for b in mine if len(b[0])]
         padding = mine[:1] * (len(mine) - len(counted)) if self.sharded else []
         return counted, padding
@@ -227,7 +290,9 @@ class ParallelStrategy:
         if self.sharded:
             full = distributed.full_optimizer_state(model, optimizer)  # collective
             if self.is_main:
+                full = self.order.optimizer_to(full, self.order.to_canonical)
                 state = {**state, "optimizer": full, "optimizer_keys": "names"}
+                state["parallel"] = self._shards_form()
         else:
             state = {**state, "optimizer": optimizer.state_dict()}
         return checkpoints.save(
@@ -257,6 +322,9 @@ class ParallelStrategy:
         ``LLMKIT_TRUST_CHECKPOINTS=1``, since their metadata is a pickle; every other process
         reads the plain files (``model.safetensors``, ``state.pt``), which unpickle nothing.
         A sharded job cannot read a plain checkpoint's optimizer state: one line saying so."""
+        if self.mode == "mesh":
+            self._load_mesh(ckpt, model, optimizer, state)
+            return
         if self.sharded:
             if not (ckpt / SHARDS).is_dir():
                 raise LlmkitError(
@@ -285,4 +353,60 @@ class ParallelStrategy:
             raise LlmkitError(
                 f"{ckpt}: the saved optimizer state does not fit this optimizer ({exc}); "
                 "a resumed run keeps its optimizer and model"
+            ) from exc
+
+    # -- checkpoints on a mesh ---------------------------------------------------------------
+    def _shards_form(self) -> str:
+        """What a checkpoint's shards of this job are like: ``fsdp``, or ``mesh`` (fused q/k/v
+        rows in head groups under tensor parallelism, so another mesh layout reads them and a
+        plain FSDP job does not)."""
+        return "mesh" if self.mode == "mesh" else self.mode
+
+    def reads_shards(self, ckpt: Path, state: dict[str, Any] | None = None) -> bool:
+        """Whether this job resumes ``ckpt`` from its DCP shards (resharding onto this
+        layout) rather than from the plain files: an FSDP job always; a mesh job when the
+        shards were written by a mesh job and the user opted in to reading them."""
+        if self.mode == "fsdp":
+            return True
+        if self.mode != "mesh" or not (ckpt / SHARDS).is_dir():
+            return False
+        if not distributed.trusts_checkpoints():
+            return False
+        if state is None:
+            from llmkit.runs.checkpoints import load_state
+
+            state = load_state(ckpt)
+        return state.get("parallel") == "mesh"
+
+    def _load_mesh(
+        self,
+        ckpt: Path,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        state: dict[str, Any],
+    ) -> None:
+        """Load ``ckpt`` onto this mesh: its DCP shards (:meth:`reads_shards`), or else the
+        plain files, which any layout wrote in the model's own order: every rank reads the
+        whole weights and optimizer state and keeps its part."""
+        if self.reads_shards(ckpt, state):
+            distributed.load_sharded(model, optimizer, str(ckpt / SHARDS))
+            return
+        if "optimizer" not in state:
+            raise LlmkitError(
+                f"{ckpt}: its optimizer state is only in the fsdp shards ({SHARDS}/); "
+                "resume it with train.parallel=fsdp"
+            )
+        from safetensors.torch import load_file
+
+        weights = self.order.state_to_model(load_file(str(ckpt / WEIGHTS)))
+        saved = state["optimizer"]
+        if state.get("optimizer_keys") != "names":
+            saved = distributed.optimizer_state_by_name(saved, model, optimizer)
+        saved = self.order.optimizer_to(saved, self.order.to_model)
+        try:
+            distributed.load_full_state(model, optimizer, weights, saved)
+        except (ValueError, KeyError, TypeError, RuntimeError) as exc:
+            raise LlmkitError(
+                f"{ckpt}: the saved weights or optimizer state do not fit this model and "
+                f"optimizer ({exc}); a resumed run keeps its optimizer and model"
             ) from exc

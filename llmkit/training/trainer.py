@@ -140,6 +140,7 @@ class Trainer:
         if self.strategy is None:
             self.strategy = ParallelStrategy.setup(t.parallel, t.device, t.dist_timeout)
         strategy = self.strategy
+        self._check_layout()  # before any model or data
         self.log = strategy.quiet_unless_main(self.log)  # rank 0 logs, plots, shows progress
         if not strategy.is_main:
             self.progress = False
@@ -179,8 +180,8 @@ class Trainer:
             self.rs.spec.data.sampling,
             self.block_size,
             t.seed,
-            rank=strategy.rank,
-            world_size=strategy.world_size,
+            rank=strategy.data_rank,
+            world_size=strategy.data_world,
             pin_memory=self.device.type == "cuda",  # copied to the GPU without waiting
             stream_workers=self.rs.spec.data.stream_workers,
         )
@@ -236,6 +237,19 @@ class Trainer:
             if plan.edited and strategy.is_main:
                 plan.save()  # the edited recipe is the run's from now on
 
+    def _check_layout(self) -> None:
+        """One line for a mesh layout this spec cannot train on (tensor parallelism not
+        dividing the heads, more stages than layers, ...), before anything is allocated."""
+        from llmkit.parallel.layout import layout_problems
+
+        rs = self.plan.rs
+        kernels = [plan.attention for plan in rs.layers]
+        problems = layout_problems(rs.spec, self.strategy.layout, kernels)
+        if problems:
+            raise LlmkitError(
+                problems[0] + (f" (and {len(problems) - 1} more)" if problems[1:] else "")
+            )
+
     def _lock_run(self) -> None:
         """Hold ``<run>/.lock`` for the whole training (rank 0 for the job: every rank shares
         the directory); a second process on the run is refused on every rank."""
@@ -278,7 +292,7 @@ class Trainer:
         for group, hyper in zip(self.optimizer.param_groups, hypers, strict=True):
             group.update(hyper)
         self.sampler.load_state_dict(
-            batches.rank_state(state["data"], strategy.rank, strategy.world_size)
+            batches.rank_state(state["data"], strategy.data_rank, strategy.data_world)
         )
         change = getattr(self.sampler, "change", None)
         if change:
@@ -338,7 +352,7 @@ class Trainer:
             t.max_steps, self.step, self.log, self.progress, objective=self.objective_name
         )
         self.log = display.log
-        step_tokens = t.batch_size * t.grad_accum * self.block_size * strategy.world_size
+        step_tokens = t.batch_size * t.grad_accum * self.block_size * strategy.data_world
         self._pending = []
         try:
             while self.step < t.max_steps:
@@ -584,7 +598,7 @@ class Trainer:
         from llmkit.evaluation.perplexity import evaluate_batches
 
         t, strategy = self.t, self.strategy
-        rows = eval_batches(tokens, self.block_size, t.batch_size * strategy.world_size, n_batches)
+        rows = eval_batches(tokens, self.block_size, t.batch_size * strategy.data_world, n_batches)
         counted, padding = strategy.eval_shares(rows)
         amp = hardware.autocast(self.device, self.precision)
         if padding:
