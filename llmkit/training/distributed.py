@@ -301,7 +301,7 @@ def optimizer_state_by_name(
     """An ``Optimizer.state_dict()`` (parameters numbered in group order) keyed by parameter
     name instead, the names read from ``optimizer``'s groups: the same optimizer built on
     the same model numbers them alike."""
-    names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+    names = {id(p): n for n, p in model.named_parameters()}  # a tied one: its first name
     order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
     state = {order[i]: v for i, v in saved["state"].items()}
     groups, index = [], 0

@@ -316,15 +316,14 @@ class ParallelStrategy:
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
         state: dict[str, Any],
-    ) -> None:
+    ) -> str | None:
         """Load weights and optimizer state of ``ckpt``. An FSDP job reads an FSDP
         checkpoint's shards (onto any number of ranks), only with the opt-in
         ``LLMKIT_TRUST_CHECKPOINTS=1``, since their metadata is a pickle; every other process
         reads the plain files (``model.safetensors``, ``state.pt``), which unpickle nothing.
         A sharded job cannot read a plain checkpoint's optimizer state: one line saying so."""
         if self.mode == "mesh":
-            self._load_mesh(ckpt, model, optimizer, state)
-            return
+            return self._load_mesh(ckpt, model, optimizer, state)
         if self.sharded:
             if not (ckpt / SHARDS).is_dir():
                 raise LlmkitError(
@@ -337,7 +336,7 @@ class ParallelStrategy:
                     "(or resume with train.parallel=ddp, which reads only the plain files)"
                 )
             distributed.load_sharded(model, optimizer, str(ckpt / SHARDS))
-            return
+            return None
         if "optimizer" not in state:
             raise LlmkitError(
                 f"{ckpt}: its optimizer state is only in the fsdp shards ({SHARDS}/), which "
@@ -354,13 +353,16 @@ class ParallelStrategy:
                 f"{ckpt}: the saved optimizer state does not fit this optimizer ({exc}); "
                 "a resumed run keeps its optimizer and model"
             ) from exc
+        return None
 
     # -- checkpoints on a mesh ---------------------------------------------------------------
     def _shards_form(self) -> str:
-        """What a checkpoint's shards of this job are like: ``fsdp``, or ``mesh`` (fused q/k/v
-        rows in head groups under tensor parallelism, so another mesh layout reads them and a
-        plain FSDP job does not)."""
-        return "mesh" if self.mode == "mesh" else self.mode
+        """What a checkpoint's shards of this job are like: ``fsdp``, ``mesh``, or
+        ``mesh-grouped`` (tensor parallelism keeps the fused q/k/v rows in head groups): a
+        job reads shards of its own form only, any other checkpoint from its plain files."""
+        if self.mode != "mesh":
+            return self.mode
+        return "mesh-grouped" if self.order else "mesh"
 
     def reads_shards(self, ckpt: Path, state: dict[str, Any] | None = None) -> bool:
         """Whether this job resumes ``ckpt`` from its DCP shards (resharding onto this
@@ -376,7 +378,7 @@ class ParallelStrategy:
             from llmkit.runs.checkpoints import load_state
 
             state = load_state(ckpt)
-        return state.get("parallel") == "mesh"
+        return state.get("parallel") == self._shards_form()
 
     def _load_mesh(
         self,
@@ -384,13 +386,13 @@ class ParallelStrategy:
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
         state: dict[str, Any],
-    ) -> None:
+    ) -> str:
         """Load ``ckpt`` onto this mesh: its DCP shards (:meth:`reads_shards`), or else the
         plain files, which any layout wrote in the model's own order: every rank reads the
         whole weights and optimizer state and keeps its part."""
         if self.reads_shards(ckpt, state):
             distributed.load_sharded(model, optimizer, str(ckpt / SHARDS))
-            return
+            return f"its {SHARDS}/ shards resharded onto {self.layout.describe()}"
         if "optimizer" not in state:
             raise LlmkitError(
                 f"{ckpt}: its optimizer state is only in the fsdp shards ({SHARDS}/); "
@@ -410,3 +412,4 @@ class ParallelStrategy:
                 f"{ckpt}: the saved weights or optimizer state do not fit this model and "
                 f"optimizer ({exc}); a resumed run keeps its optimizer and model"
             ) from exc
+        return f"its whole weights split onto {self.layout.describe()}"

@@ -288,7 +288,7 @@ class Trainer:
         hypers = [
             {k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups
         ]
-        strategy.load_checkpoint(ckpt, self.model, self.optimizer, state)
+        how = strategy.load_checkpoint(ckpt, self.model, self.optimizer, state)
         for group, hyper in zip(self.optimizer.param_groups, hypers, strict=True):
             group.update(hyper)
         self.sampler.load_state_dict(
@@ -311,7 +311,7 @@ class Trainer:
         resume.restore_rng(state, rank_state, strategy, self.t.seed, self.step)
         if strategy.is_main:
             self.metrics.truncate_after(self.step)
-        self.log(f"resumed from {ckpt} at step {self.step}")
+        self.log(f"resumed from {ckpt} at step {self.step}" + (f" ({how})" if how else ""))
 
     # -- the loop ----------------------------------------------------------------------------
     def fit(self) -> TrainResult:
