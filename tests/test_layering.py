@@ -33,6 +33,7 @@ LAYERS: list[tuple[str, ...]] = [
         "records",
         "dropout",
         "messages",
+        "parallel",  # the mesh layout and the parallel styles components declare plans with
     ),
     ("registry",),  # the plugin host
     ("components", "kernels"),

@@ -53,7 +53,8 @@ def configure_info(p: argparse.ArgumentParser) -> None:
         "--batch-size",
         type=at_least(1),
         default=8,
-        help="sequences per step for the memory estimate (default: 8)",
+        help="sequences per step for the memory estimate (default: 8); with --parallel, per "
+        "data-parallel rank",
     )
     p.add_argument(
         "--seq-len",
@@ -63,6 +64,33 @@ def configure_info(p: argparse.ArgumentParser) -> None:
         f"spec's data.block_size, else max_seq_len up to {PRACTICAL_CONTEXT})",
     )
     p.add_argument("--json", action="store_true", help="also print the numbers as JSON")
+    p.add_argument(
+        "--parallel",
+        metavar="LAYOUT",
+        default=None,
+        help="plan this layout on paper: per-GPU memory and communication per step, e.g. "
+        "dp=32,tp=8,pp=4 (dp/fsdp = dp_shard, ddp = dp_replicate, tp, pp, cp); --batch-size "
+        "is then per data-parallel rank",
+    )
+    p.add_argument(
+        "--gpus",
+        metavar="GPU",
+        default=None,
+        help="the GPU of the --parallel plan (H100, H200, A100): whether it fits, a step time",
+    )
+    p.add_argument(
+        "--schedule",
+        choices=["1f1b", "gpipe", "interleaved_1f1b"],
+        default="1f1b",
+        help="the pipeline schedule of the --parallel plan (pp > 1; default 1f1b)",
+    )
+    p.add_argument(
+        "--microbatches",
+        type=at_least(1),
+        default=None,
+        help="pipeline micro-batches per step of the --parallel plan (default: pp; "
+        "interleaved_1f1b: 2·pp); they divide --batch-size",
+    )
 
 
 def layer_table(rs: Any, slots: list[str]) -> tuple[list[str], list[tuple[str, ...]]]:
@@ -128,8 +156,19 @@ def spec_source(arg: str) -> str:
 def run_info(args: argparse.Namespace) -> int:
     from llmkit.model import build_on_meta
 
+    layout = parallel_layout(args)
+    gpu = None
+    if args.gpus is not None:
+        from llmkit.parallel.planning import gpu_spec
+
+        gpu = gpu_spec(args.gpus)
     rs = load(spec_source(args.spec), args.set)
     model = build_on_meta(rs)
+    seq, why = estimate_context(args.seq_len, rs.spec.data.block_size, rs.model.max_seq_len)
+    batch = args.batch_size
+    plan = None
+    if layout is not None:  # before any output: a layout it cannot split is one line
+        plan = make_plan(rs, model, layout, batch=batch, seq=seq, gpu=gpu)
     kinds = list(registry().kinds.values())
     m = rs.model
     con = console()
@@ -148,8 +187,6 @@ def run_info(args: argparse.Namespace) -> int:
     for row in rows:
         layers.add_row(*row)
     con.print(layers)
-    seq, why = estimate_context(args.seq_len, rs.spec.data.block_size, m.max_seq_len)
-    batch = args.batch_size
     total, non_emb, active = (
         model.num_params(),
         model.num_params(exclude_embeddings=True),
@@ -184,19 +221,147 @@ def run_info(args: argparse.Namespace) -> int:
     ]
     if chosen:
         con.print("   ".join(chosen), markup=False)
+    if plan is not None:
+        print_plan(con, rs, plan)
     if args.json:
-        con.print_json(
-            json.dumps(
-                {
-                    "params": total,
-                    "non_embedding_params": non_emb,
-                    "active_params": active,
-                    "flops_per_token": flops,
-                    "training_memory": mem,
-                    "batch_size": batch,
-                    "seq_len": seq,
-                    "kv_cache_bytes_per_token": kv,
-                }
-            )
-        )
+        numbers = {
+            "params": total,
+            "non_embedding_params": non_emb,
+            "active_params": active,
+            "flops_per_token": flops,
+            "training_memory": mem,
+            "batch_size": batch,
+            "seq_len": seq,
+            "kv_cache_bytes_per_token": kv,
+        }
+        if plan is not None:
+            numbers["parallel_plan"] = plan.as_dict()
+        con.print_json(json.dumps(numbers))
     return 0
+
+
+def parallel_layout(args: argparse.Namespace) -> Any:
+    """The :class:`~llmkit.parallel.layout.Layout` ``--parallel`` names (None without it);
+    bad text is one line."""
+    if args.parallel is None:
+        for flag, value in (("--gpus", args.gpus), ("--microbatches", args.microbatches)):
+            if value is not None:
+                raise LlmkitError(f"{flag} describes a --parallel plan; give --parallel too")
+        return None
+    import dataclasses
+
+    from llmkit.parallel.layout import parse_layout
+
+    layout = parse_layout(args.parallel, schedule=args.schedule)
+    if args.microbatches is not None and layout.pp > 1:
+        layout = dataclasses.replace(layout, microbatches=args.microbatches)
+    return layout
+
+
+def _collectives(dim: str, layout: Any, checkpointing: bool) -> str:
+    """What mesh dimension ``dim`` sends, for the communication table."""
+    recompute = " (+4 recomputing)" if checkpointing else ""
+    return {
+        "fsdp": "all-gather params "
+        + ("(forward, backward)" if layout.pp == 1 else "(once: kept through the pipeline)")
+        + ", reduce-scatter fp32 grads",
+        "ddp": "all-reduce fp32 grads",
+        "tp": f"all-gather/reduce-scatter activations: 4 per layer forward{recompute}, 4 backward",
+        "cp": "ring: K/V shards forward and backward, fp32 dK/dV back",
+        "pp": "activations forward, their gradients backward",
+    }[dim]
+
+
+def make_plan(rs: Any, model: Any, layout: Any, *, batch: int, seq: int, gpu: Any) -> Any:
+    """The :class:`~llmkit.parallel.planning.ParallelPlan` of ``layout`` for this spec, in
+    its precision (``train.precision``: fp32, else bf16) and with its activation
+    checkpointing. A layout the plan cannot split is one line (an error)."""
+    from llmkit.parallel.planning import plan_memory
+
+    t = rs.spec.train
+    return plan_memory(
+        model,
+        layout,
+        batch_size=batch,
+        seq_len=seq,
+        precision="fp32" if t.precision == "fp32" else "bf16",
+        activation_checkpointing=bool(t.activation_checkpointing),
+        gpu=gpu,
+    )
+
+
+def print_plan(con: Any, rs: Any, plan: Any) -> None:
+    """Print a ``--parallel`` plan: ``layout_problems`` lines as warnings (stderr), per-GPU
+    memory, communication per step by dimension, and with a GPU whether it fits and a step
+    time."""
+    from rich.markup import escape
+
+    from llmkit.parallel.layout import layout_problems
+    from llmkit.parallel.planning import MFU_ASSUMPTION
+
+    layout, gpu, batch, seq = plan.layout, plan.gpu, plan.batch_size, plan.seq_len
+    precision, checkpointing = plan.precision, plan.activation_checkpointing
+    t = rs.spec.train
+    spec = rs.spec.model_copy(  # the problems of the plan's batch and context
+        update={
+            "train": t.model_copy(update={"batch_size": batch}),
+            "data": rs.spec.data.model_copy(update={"block_size": seq}),
+        }
+    )
+    err = console(stderr=True)
+    for line in layout_problems(spec, layout, [p.attention for p in rs.layers]):
+        err.print(f"[yellow]warning:[/] {escape(line)}", markup=True)
+    world = layout.world_size
+    micro = f"micro-batches of {plan.microbatch_size}" if layout.pp > 1 else "one micro-batch"
+    con.print(
+        f"parallel plan: {layout.describe()} = {world:,} GPUs"
+        + (f" ({gpu.name})" if gpu is not None else "")
+        + f"; {batch} × {seq:,} tokens per data-parallel rank per step ({micro}); "
+        f"{'bf16 compute, fp32 master weights and grads' if precision == 'bf16' else 'fp32'}, "
+        f"AdamW; activation checkpointing {'on' if checkpointing else 'off'} "
+        "(train.precision, train.activation_checkpointing)",
+        markup=False,
+    )
+    cols = ["params", "grads", "optimizer", "unsharded", "activations", "total"]
+    if gpu is not None:
+        cols.append(f"fits {gpu.name} ({human_bytes(gpu.memory_bytes)})")
+    where = f" (pipeline rank {plan.memory_rank.rank} of {layout.pp})" if layout.pp > 1 else ""
+    mem = table(*cols, title=f"memory per GPU{where}")
+    row = [
+        human_bytes(v)
+        for v in (
+            plan.param_bytes,
+            plan.grad_bytes,
+            plan.optimizer_bytes,
+            plan.unsharded_bytes,
+            plan.activation_bytes,
+            plan.total_bytes,
+        )
+    ]
+    if gpu is not None:
+        row.append("yes" if plan.fits else "NO")
+    mem.add_row(*row)
+    con.print(mem)
+    where = f" (pipeline rank {plan.comm_rank.rank})" if layout.pp > 1 else ""
+    comm = table("dimension", "degree", "bytes", "what", title=f"sent per GPU per step{where}")
+    degrees = {
+        "fsdp": layout.dp_shard * layout.cp,
+        "ddp": layout.dp_replicate,
+        "tp": layout.tp,
+        "cp": layout.cp,
+        "pp": layout.pp,
+    }
+    for dim, sent in plan.comm.items():
+        if degrees[dim] > 1:
+            what = _collectives(dim, layout, checkpointing)
+            comm.add_row(dim, str(degrees[dim]), human_bytes(sent), what)
+        else:
+            comm.add_row(dim, "1", "-", "-")
+    comm.add_row("total", "", human_bytes(plan.comm_total), "")
+    con.print(comm)
+    if plan.step_time is not None:
+        con.print(
+            f"step time ≥ {plan.step_time:.3g} s: {human(plan.flops_per_step)} FLOPs "
+            f"at {MFU_ASSUMPTION:.0%} MFU of {gpu.peak_flops / 1e12:,.0f} TFLOP/s per GPU "
+            f"({plan.tokens_per_second_per_gpu:,.0f} tokens/s/GPU)"
+        )

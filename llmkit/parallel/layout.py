@@ -179,10 +179,11 @@ def layout_problems(spec: Any, layout: Layout, attention_kernels: list[Any] = ()
                 f"train.parallel.tp = {layout.tp} does not divide model.n_heads = {heads} "
                 "(tensor parallelism splits the heads)"
             )
-        elif kv % layout.tp and layout.tp % kv:
+        elif kv % layout.tp:
             out.append(
-                f"train.parallel.tp = {layout.tp} and model.n_kv_heads = {kv}: one must divide "
-                "the other (each rank holds whole key/value heads, or copies of one)"
+                f"train.parallel.tp = {layout.tp} does not divide model.n_kv_heads = {kv} "
+                "(each rank holds whole key/value heads; copying them to more ranks, as MQA "
+                "under tensor parallelism needs, is not supported)"
             )
         if m.d_model % layout.tp:
             out.append(
@@ -231,7 +232,8 @@ def layout_problems(spec: Any, layout: Layout, attention_kernels: list[Any] = ()
             if not kernel.record.capabilities.get("context_parallel", False):
                 out.append(
                     f"attention {kernel.name!r} (layer {j}) does not support context "
-                    "parallelism (train.parallel.cp > 1); use attention 'sdpa' or 'dense'"
+                    "parallelism (train.parallel.cp > 1): its registry entry does not "
+                    "declare the context_parallel capability"
                 )
                 break
     return out

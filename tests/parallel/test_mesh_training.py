@@ -1,0 +1,108 @@
+"""Training on a mesh layout (``[train.parallel]`` table): real ``torchrun`` jobs on gloo.
+
+Equality contract as in tests/training/test_distributed.py: with dropout 0 and the same
+global batch, a layout's loss and validation curves equal one process's within 1e-4 (measured:
+≤ 6e-5; fp32 summation order). A run resumes on another layout from its plain files (any
+layout) or its DCP shards (a job of the same form, resharded), exactly: the run killed at a
+step and resumed elsewhere equals the uninterrupted single-process run.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.training.test_distributed import (
+    TRAIN,
+    assert_same,
+    metrics,
+    ok,
+    run,
+    single,
+    torchrun,
+    write_spec,
+)
+
+FAIL = {"LLMKIT_FAIL_AT": "0:11"}  # rank 0 raises before step 11: checkpoints 4 and 8 kept
+CKPT = ("--set", "train.checkpoint_interval=4")
+TP2 = ("--set", "train.parallel.tp=2")
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]:
+    """The spec and single-process runs with global batches of 4 and 8 sequences (×2
+    accumulation steps)."""
+    tmp = tmp_path_factory.mktemp("mesh")
+    spec = write_spec(tmp, grad_accum=2)
+    ok(single("train", str(spec), "--out", str(tmp / "b4"), *TRAIN))
+    ok(single("train", str(spec), "--out", str(tmp / "b8"), *TRAIN, "--set", "train.batch_size=8"))
+    return spec, tmp / "b4", tmp / "b8"
+
+
+def _failed(proc) -> None:
+    assert proc.returncode != 0 and "injected failure" in proc.stderr + proc.stdout
+
+
+def test_tensor_parallel_matches_one_process_and_resumes_on_one(references, tmp_path):
+    spec, b4, _ = references
+    out = tmp_path / "tp"
+    proc = run(torchrun("train", str(spec), "--out", str(out), *TRAIN, *TP2, *CKPT), **FAIL)
+    _failed(proc)
+    assert "distributed: mesh tp=2 on 2 processes (gloo); global batch 8 sequences" in proc.stdout
+    train, _ = metrics(out)
+    assert len(train) == 10
+    assert_same(train, metrics(b4)[0][:10])
+    resumed = ok(single("train", "--resume", str(out), *TRAIN, "--set", "train.parallel=auto"))
+    assert "at step 8" in resumed.stdout
+    assert_same(metrics(out)[0], metrics(b4)[0])
+    assert_same(metrics(out)[1], metrics(b4)[1])
+
+
+def test_a_one_process_run_resumes_split_by_tensor_parallelism(references, tmp_path):
+    spec, b4, _ = references
+    out = tmp_path / "one"
+    _failed(run(single("train", str(spec), "--out", str(out), *TRAIN, *CKPT), **FAIL))
+    resumed = ok(torchrun("train", "--resume", str(out), *TRAIN, *TP2))
+    assert "(its whole weights split onto tp=2)" in resumed.stdout
+    assert_same(metrics(out)[0], metrics(b4)[0])
+    assert_same(metrics(out)[1], metrics(b4)[1])
+
+
+def test_tp_by_fsdp_on_four_ranks_matches_and_its_shards_reshard_onto_two(references, tmp_path):
+    spec, _, b8 = references
+    out = tmp_path / "tp-fsdp"
+    layout = ("--set", "train.parallel.dp_shard=2", *TP2)
+    proc = run(
+        torchrun("train", str(spec), "--out", str(out), *TRAIN, *layout, *CKPT, nproc=4), **FAIL
+    )
+    _failed(proc)
+    assert "distributed: mesh dp_shard=2 × tp=2 on 4 processes" in proc.stdout
+    assert (out / "checkpoints" / "step-000008" / "dcp").is_dir()
+    # tp=2 alone with the same global batch: the 2-D shards reshard onto the 1-D split
+    again = ("--set", "train.parallel.dp_shard=1", "--set", "train.batch_size=8")
+    trust = {"LLMKIT_TRUST_CHECKPOINTS": "1"}
+    resumed = ok(torchrun("train", "--resume", str(out), *TRAIN, *TP2, *again), **trust)
+    assert "(its dcp/ shards resharded onto tp=2)" in resumed.stdout
+    assert_same(metrics(out)[0], metrics(b8)[0])
+    assert_same(metrics(out)[1], metrics(b8)[1])
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        (
+            ("model.n_heads=1", "train.parallel.tp=2"),
+            "train.parallel.tp = 2 does not divide model.n_heads = 1",
+        ),
+    ],
+)
+def test_a_bad_layout_is_one_line_before_any_model(references, tmp_path, settings, message):
+    spec = references[0]
+    sets = [a for s in settings for a in ("--set", s)]
+    proc = run(torchrun("train", str(spec), "--out", str(tmp_path / "r"), *TRAIN, *sets))
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: [rank 0]")]
+    assert len(errors) == 1 and message in errors[0], proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr.split("error: [rank")[0]
+    assert not (tmp_path / "r" / "checkpoints").exists()
