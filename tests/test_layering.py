@@ -332,3 +332,12 @@ def _imports_at(path: Path, root: Path) -> list[tuple[int, str, tuple[str, ...]]
         return sorted(_imports(path))
     finally:
         ROOT = saved
+
+
+def test_test_modules_have_unique_basenames():
+    # The suite has no __init__.py files, so pytest imports each test file by its basename:
+    # two files of one name in different folders stop collection with "import file mismatch".
+    seen: dict[str, Path] = {}
+    for path in sorted((ROOT / "tests").rglob("test_*.py")):
+        assert path.name not in seen, f"{path} has the basename of {seen[path.name]}"
+        seen[path.name] = path

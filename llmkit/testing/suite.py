@@ -11,6 +11,7 @@ import torch
 
 from llmkit.testing.common import Options, Record, _capabilities, _expect, _fail
 from llmkit.testing.generic import check_generic, check_options_model
+from llmkit.testing.parallel_plan import PLANNED_KINDS, check_parallel_plan
 
 
 def _kind_check(record: Record, registry: Any) -> Callable[..., None]:
@@ -51,6 +52,11 @@ def check_component(
         registry = get_registry()
     check_options_model(record, options)
     _kind_check(record, registry)(record, options, device=device)
+    if record.kind in PLANNED_KINDS:  # a declared tensor-parallel plan is well formed
+        from llmkit.testing.common import _build_module, small_context
+
+        module = _build_module(record, options, small_context(), torch.device("cpu"))
+        check_parallel_plan(record, module)
 
 
 def _unmet_requirements(record: Record) -> list[str]:

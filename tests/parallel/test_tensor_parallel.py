@@ -158,3 +158,29 @@ def test_moe_declares_no_plan_yet(tmp_path: Path):
     model = build_model(load_spec_dict(tiny_spec(ffn={"name": "moe", "num_experts": 4})))
     with pytest.raises(LlmkitError, match="declares no tensor-parallel plan"):
         component_plan(model.ffn_modules[0], "ffn 'moe'", 2)
+
+
+def test_the_conformance_check_refuses_a_malformed_plan():
+    from types import SimpleNamespace
+
+    from llmkit.parallel.tensor import column
+    from llmkit.testing.parallel_plan import check_parallel_plan
+
+    record = SimpleNamespace(kind="ffn", name="mine", distribution="plugin")
+
+    class Named(nn.Module):
+        def __init__(self, plan):
+            super().__init__()
+            self.proj = nn.Linear(4, 4)
+            self._plan = plan
+
+        def tensor_parallel_plan(self, tp):
+            return self._plan
+
+    check_parallel_plan(record, Named({"proj": column()}))  # well formed
+    with pytest.raises(AssertionError, match="names 'missing', which is not"):
+        check_parallel_plan(record, Named({"missing": column()}))
+    with pytest.raises(AssertionError, match="not a ParallelStyle"):
+        check_parallel_plan(record, Named({"proj": "colwise"}))
+    with pytest.raises(AssertionError, match="not a dict"):
+        check_parallel_plan(record, Named([]))
