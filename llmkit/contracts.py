@@ -221,6 +221,10 @@ class AttentionInputs:
     #: (B, T) int document of each token, non-decreasing per row (packed rows; no KV cache):
     #: attention stays inside a document (``AttentionKernel.supports_document_mask``).
     document_ids: Tensor | None = None
+    #: Under context parallelism (``train.parallel.cp > 1``): the group the sequence is split
+    #: across (:class:`llmkit.parallel.context.ContextParallel`); ``positions`` are then the
+    #: global positions of this rank's rows and attention runs over every rank's keys.
+    context: Any = None
 
 
 @dataclass

@@ -103,6 +103,14 @@ class Attention(nn.Module):
         elif mask is not None:
             mask = mask[:, -k.shape[2] :]
         bias = position.score_bias()
+        if inputs.context is not None:  # the sequence split across ranks: ring attention
+            if inputs.cache is not None or mask is not None or docs or bias is not None:
+                raise LlmkitError(
+                    "context-parallel attention takes whole causal rows: no KV cache, padding "
+                    "mask, document mask or score bias"
+                )
+            y = inputs.context.attention(q, k, v, inputs.positions)
+            return self.out_proj(y.transpose(1, 2).reshape(B, T, H * D))
         if bias is not None and self.grouped:  # this rank's heads' slopes
             bias = DistanceBias(bias.slopes[self.head_offset : self.head_offset + H])
         y = self.kernel(q, k, v, causal=True, bias=bias, key_padding_mask=mask, **docs)

@@ -142,6 +142,10 @@ class Transformer(nn.Module):
         self._norms = [part.norms for part in built]
         #: Set by :func:`llmkit.parallel.tensor.parallelize_transformer` (tensor parallelism).
         self.tensor_parallel: Any = None
+        #: Set by the training strategy under context parallelism (``train.parallel.cp``): a
+        #: :class:`llmkit.parallel.context.ContextParallel`; ``idx`` is then this rank's part
+        #: of each row (:meth:`ContextParallel.shard`) and attention spans every rank's part.
+        self.context_parallel: Any = None
         self.norm_f = build(rs.norm, ctx) if m.final_norm else nn.Identity()
         self.lm_head = nn.Linear(m.d_model, m.vocab_size, bias=m.head_bias)
         scale = m.embedding_scale
@@ -231,6 +235,17 @@ class Transformer(nn.Module):
         first layer runs); a KV cache is refused with it.
         """
         T = idx.shape[1]
+        cp = self.context_parallel
+        if cp is not None:
+            if cache is not None or last_only or key_padding_mask is not None:
+                raise LlmkitError(
+                    "a context-parallel model trains and evaluates whole rows; generate from "
+                    "its checkpoint (whole weights) instead"
+                )
+            if document_ids is not None:
+                raise LlmkitError("document masking cannot be combined with context parallelism")
+            if positions is None:  # the global positions of this rank's chunks
+                positions = cp.positions(T * cp.cp, idx.device)
         if document_ids is not None:
             document_ids = self._check_documents(document_ids, idx, cache)
         if key_padding_mask is not None:
@@ -269,6 +284,7 @@ class Transformer(nn.Module):
                 cache.layers[j] if cache is not None else None,
                 key_padding_mask,
                 document_ids,
+                cp,
             )
             x = checkpoint(block, x, inputs, use_reentrant=False) if recompute else block(x, inputs)
         if cache is not None:

@@ -165,10 +165,13 @@ def parse_layout(text: str, schedule: str = "1f1b") -> Layout:
     return Layout(**values, schedule=schedule, microbatches=max(pp * spr, 1), stages_per_rank=spr)
 
 
-def layout_problems(spec: Any, layout: Layout, attention_kernels: list[Any] = ()) -> list[str]:
+def layout_problems(
+    spec: Any, layout: Layout, attention_kernels: list[Any] = (), positions: list[Any] = ()
+) -> list[str]:
     """What stops ``spec`` (a :class:`llmkit.spec.Spec`) from training on ``layout``, one
-    line each, found from the spec alone. ``attention_kernels`` are the layers' resolved
-    attention components (to check context parallelism's support), when known."""
+    line each, found from the spec alone. ``attention_kernels`` and ``positions`` are the
+    layers' resolved attention and positional components (to check context parallelism's
+    support), when known."""
     m, t = spec.model, spec.train
     out: list[str] = []
     heads, kv = m.n_heads, m.kv_heads
@@ -234,6 +237,20 @@ def layout_problems(spec: Any, layout: Layout, attention_kernels: list[Any] = ()
                     f"attention {kernel.name!r} (layer {j}) does not support context "
                     "parallelism (train.parallel.cp > 1): its registry entry does not "
                     "declare the context_parallel capability"
+                )
+                break
+            if getattr(kernel.options, "dropout", 0.0) > 0:
+                out.append(
+                    f"attention {kernel.name!r} (layer {j}): attention dropout cannot be "
+                    "combined with context parallelism (train.parallel.cp > 1)"
+                )
+                break
+        for j, position in enumerate(positions):
+            if "score_bias" in position.record.capabilities.get("acts_on", []):
+                out.append(
+                    f"position {position.name!r} (layer {j}) biases the attention scores, "
+                    "which context parallelism (train.parallel.cp > 1) does not carry; "
+                    "use rope, learned, sinusoidal or none"
                 )
                 break
     return out

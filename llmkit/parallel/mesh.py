@@ -59,13 +59,16 @@ class MeshPlace:
         layout = self.layout
         if layout.dp * layout.cp == 1:
             return None
-        shard = "dp_shard"
-        if layout.cp > 1:
-            self.mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
-            shard = "dp_shard_cp"
+        if layout.cp == 1:
+            dims: tuple[str, ...] = ("dp_shard",)
+        else:  # the flattened mesh itself (slicing it from the root mesh is deprecated)
+            flat = self.mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+            if layout.dp_replicate == 1:
+                return flat
+            dims = ("dp_shard_cp",)
         if layout.dp_replicate > 1:
-            return self.mesh["dp_replicate", shard]
-        return self.mesh[shard]
+            return self.mesh[("dp_replicate", *dims)]
+        return self.mesh[dims[0]]
 
 
 def build_mesh(layout: Layout, device_type: str) -> MeshPlace:

@@ -260,7 +260,9 @@ class TrainStep:
             self.model.train()
         n = self.grad_accum
         batches = [next_batch() for _ in range(n)]
-        batches = [(self._to_device(x), self._to_device(y)) for x, y in batches]
+        batches = [
+            self.strategy.context_rows(self._to_device(x), self._to_device(y)) for x, y in batches
+        ]
         weights, total = self._target_weights([y for _, y in batches])
         trained = weights != 0
         loss_sum = torch.zeros((), device=self.device)

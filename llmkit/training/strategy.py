@@ -49,6 +49,8 @@ class ParallelStrategy:
         #: Rows the model keeps in another order than its checkpoints (tensor parallelism).
         self.order = CanonicalOrder()
         self.place: Any = None  # llmkit.parallel.mesh.MeshPlace, in mesh mode
+        #: llmkit.parallel.context.ContextParallel under train.parallel.cp > 1
+        self.context: Any = None
         self._fsdp = self.mode == "fsdp"
         if self.mode == "mesh":
             from llmkit.parallel.mesh import build_mesh
@@ -209,7 +211,20 @@ class ParallelStrategy:
             from llmkit.parallel.tensor import parallelize_transformer
 
             self.order = parallelize_transformer(model, place.sub("tp"))
+        if self.layout.cp > 1:
+            from llmkit.parallel.context import ContextParallel
+
+            self.context = ContextParallel.from_group(place.sub("cp").get_group())
+            model.context_parallel = self.context
         return place.fsdp_mesh()
+
+    def context_rows(self, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
+        """This rank's part of every row of a batch under context parallelism (the two
+        balanced chunks of :func:`llmkit.parallel.context.shard_indices`); the batch itself
+        otherwise."""
+        if self.context is None:
+            return x, y
+        return self.context.shard(x), self.context.shard(y)
 
     def clip_grad_norm(self, params: Any, max_norm: float) -> Tensor:
         """The gradients' total norm before clipping (a device scalar), clipping them to
@@ -264,7 +279,7 @@ class ParallelStrategy:
         counting: FSDP forwards are collective, so a rank whose share of a short last batch
         is empty still runs one (on another batch's rows)."""
         ws, rank = self.data_world, self.data_rank
-        mine = [(x[rank::ws], y[rank::ws]) for x, y in batches]
+        mine = [self.context_rows(x[rank::ws], y[rank::ws]) for x, y in batches]
         counted = [b for b in mine if len(b[0])]
         padding = mine[:1] * (len(mine) - len(counted)) if self.sharded else []
         return counted, padding

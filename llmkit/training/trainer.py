@@ -244,15 +244,15 @@ class Trainer:
 
         rs = self.plan.rs
         kernels = [plan.attention for plan in rs.layers]
+        positions = [plan.position for plan in rs.layers]
         layout = self.strategy.layout
-        problems = layout_problems(rs.spec, layout, kernels)
-        for dim, module in (("pp", "pipeline"), ("cp", "context")):
-            if getattr(layout, dim) > 1:
-                problems.append(
-                    f"train.parallel.{dim} = {getattr(layout, dim)}: the trainer does not run "
-                    f"{module} parallelism yet (llmkit.parallel.{module} has the stages and "
-                    "schedules as a library); use dp_replicate, dp_shard and tp"
-                )
+        problems = layout_problems(rs.spec, layout, kernels, positions)
+        if layout.pp > 1:
+            problems.append(
+                f"train.parallel.pp = {layout.pp}: the trainer does not run pipeline "
+                "parallelism yet (llmkit.parallel.pipeline has the stages and schedules as a "
+                "library); use dp_replicate, dp_shard, cp and tp"
+            )
         if problems:
             raise LlmkitError(
                 problems[0] + (f" (and {len(problems) - 1} more)" if problems[1:] else "")

@@ -2,7 +2,8 @@
 
 Equality contract as in tests/training/test_distributed.py: with dropout 0 and the same
 global batch, a layout's loss and validation curves equal one process's within 1e-4 (measured:
-≤ 6e-5; fp32 summation order). A run resumes on another layout from its plain files (any
+≤ 6e-5; fp32 summation order). Context parallelism (cp) splits each row's tokens: the same curves.
+A run resumes on another layout from its plain files (any
 layout) or its DCP shards (a job of the same form, resharded), exactly: the run killed at a
 step and resumed elsewhere equals the uninterrupted single-process run.
 """
@@ -59,16 +60,6 @@ def test_tensor_parallel_matches_one_process_and_resumes_on_one(references, tmp_
     assert_same(metrics(out)[1], metrics(b4)[1])
 
 
-def test_a_one_process_run_resumes_split_by_tensor_parallelism(references, tmp_path):
-    spec, b4, _ = references
-    out = tmp_path / "one"
-    _failed(run(single("train", str(spec), "--out", str(out), *TRAIN, *CKPT), **FAIL))
-    resumed = ok(torchrun("train", "--resume", str(out), *TRAIN, *TP2))
-    assert "(its whole weights split onto tp=2)" in resumed.stdout
-    assert_same(metrics(out)[0], metrics(b4)[0])
-    assert_same(metrics(out)[1], metrics(b4)[1])
-
-
 def test_tp_by_fsdp_on_four_ranks_matches_and_its_shards_reshard_onto_two(references, tmp_path):
     spec, _, b8 = references
     out = tmp_path / "tp-fsdp"
@@ -88,12 +79,36 @@ def test_tp_by_fsdp_on_four_ranks_matches_and_its_shards_reshard_onto_two(refere
     assert_same(metrics(out)[1], metrics(b8)[1])
 
 
+def test_context_parallelism_matches_one_process_and_resumes_split_by_tp(references, tmp_path):
+    """cp = 2 trains the one-process curve; its checkpoint (plain files: shards of another
+    form) resumes under tensor parallelism, each rank keeping its part of the whole weights."""
+    spec, b4, _ = references
+    out = tmp_path / "cp"
+    cp2 = ("--set", "train.parallel.cp=2")
+    proc = run(torchrun("train", str(spec), "--out", str(out), *TRAIN, *cp2, *CKPT), **FAIL)
+    _failed(proc)
+    assert "distributed: mesh cp=2 on 2 processes (gloo); global batch 8 sequences" in proc.stdout
+    train, _ = metrics(out)
+    assert len(train) == 10
+    assert_same(train, metrics(b4)[0][:10])
+    resumed = ok(
+        torchrun("train", "--resume", str(out), *TRAIN, "--set", "train.parallel.cp=1", *TP2)
+    )
+    assert "at step 8" in resumed.stdout and "(its whole weights split onto tp=2)" in resumed.stdout
+    assert_same(metrics(out)[0], metrics(b4)[0])
+    assert_same(metrics(out)[1], metrics(b4)[1])
+
+
 @pytest.mark.parametrize(
     ("settings", "message"),
     [
         (
             ("model.n_heads=1", "train.parallel.tp=2"),
             "train.parallel.tp = 2 does not divide model.n_heads = 1",
+        ),
+        (
+            ("model.position.name=alibi", "train.parallel.cp=2"),
+            "position 'alibi' (layer 0) biases the attention scores",
         ),
     ],
 )
