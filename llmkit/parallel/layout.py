@@ -165,6 +165,32 @@ def parse_layout(text: str, schedule: str = "1f1b") -> Layout:
     return Layout(**values, schedule=schedule, microbatches=max(pp * spr, 1), stages_per_rank=spr)
 
 
+def _pipeline_problems(spec: Any, layout: Layout) -> list[str]:
+    """What pipeline parallelism does not train yet, one line each."""
+    m, t = spec.model, spec.train
+    extra = getattr(t, "model_extra", None) or {}
+    refused = [
+        (layout.tp > 1 or layout.cp > 1, "tensor or context parallelism inside a stage"),
+        (
+            m.tie_embeddings,
+            "model.tie_embeddings (the embedding and the head sit on the first "
+            "and the last stage; set it to false)",
+        ),
+        (
+            getattr(t, "loss", None) is not None or "loss" in extra,
+            "a train.loss component (the last stage trains the cross-entropy)",
+        ),
+        (getattr(t, "distill", None) is not None, "train.distill"),
+        (spec.data.document_mask, "data.document_mask"),
+        (t.compile, "train.compile"),
+    ]
+    return [
+        f"train.parallel.pp = {layout.pp} cannot be combined with {what}"
+        for bad, what in refused
+        if bad
+    ]
+
+
 def layout_problems(
     spec: Any, layout: Layout, attention_kernels: list[Any] = (), positions: list[Any] = ()
 ) -> list[str]:
@@ -222,6 +248,8 @@ def layout_problems(
                 f"train.parallel: interleaved_1f1b needs microbatches ({layout.microbatches}) "
                 f"to be a multiple of pp ({layout.pp})"
             )
+    if layout.pp > 1:
+        out += _pipeline_problems(spec, layout)
     if layout.cp > 1:
         block = spec.data.block_size or m.max_seq_len
         if block % (2 * layout.cp):

@@ -296,13 +296,19 @@ def optimizer_state_by_index(saved: dict[str, Any]) -> dict[str, Any]:
 
 
 def optimizer_state_by_name(
-    saved: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer
+    saved: dict[str, Any],
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    *,
+    order: list[str] | None = None,
 ) -> dict[str, Any]:
     """An ``Optimizer.state_dict()`` (parameters numbered in group order) keyed by parameter
-    name instead, the names read from ``optimizer``'s groups: the same optimizer built on
-    the same model numbers them alike."""
-    names = {id(p): n for n, p in model.named_parameters()}  # a tied one: its first name
-    order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+    name instead, the names read from ``optimizer``'s groups (the same optimizer built on
+    the same model numbers them alike), or given as ``order`` (an optimizer of part of the
+    model: the whole model's order)."""
+    if order is None:
+        names = {id(p): n for n, p in model.named_parameters()}  # a tied one: its first name
+        order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
     state = {order[i]: v for i, v in saved["state"].items()}
     groups, index = [], 0
     for group in saved["param_groups"]:

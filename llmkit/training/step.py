@@ -268,8 +268,16 @@ class TrainStep:
         loss_sum = torch.zeros((), device=self.device)
         aux_sums: dict[str, Any] = {}
         metric_sums: dict[str, Any] = {}
+        pipelined = self.strategy.pipelined
         for micro, (x, y) in enumerate(batches):
             weight, keep = weights[micro], trained[micro]
+            if pipelined is not None:  # the schedule runs forward and backward
+                with hardware.autocast(self.device, self.precision):
+                    reported = pipelined.train(x, y, weight)
+                # only the last stage's ranks have it: × pp, so that the mean over ranks is
+                # the mean over the last stage's ranks
+                loss_sum += reported * self.strategy.layout.pp
+                continue
             with self.strategy.grad_sync(self.wrapped, micro == n - 1):  # all-reduce once
                 with hardware.autocast(self.device, self.precision):
                     out = self.objective(self.forward, x, y)

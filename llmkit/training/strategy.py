@@ -51,6 +51,11 @@ class ParallelStrategy:
         self.place: Any = None  # llmkit.parallel.mesh.MeshPlace, in mesh mode
         #: llmkit.parallel.context.ContextParallel under train.parallel.cp > 1
         self.context: Any = None
+        #: llmkit.training.pipelined.PipelinedTraining under train.parallel.pp > 1
+        self.pipelined: Any = None
+        #: Under pp: the parameter names in the order one process's optimizer numbers them
+        #: (set by the trainer), to read an optimizer state saved by index.
+        self.optimizer_order: list[str] | None = None
         self._fsdp = self.mode == "fsdp"
         if self.mode == "mesh":
             from llmkit.parallel.mesh import build_mesh
@@ -186,7 +191,7 @@ class ParallelStrategy:
         if self.mode == "mesh":
             mesh = self._compose(model)
             if mesh is None:  # no data-parallel ranks: nothing for FSDP to shard
-                return model
+                return self.trained(model)
             self._fsdp = True
         else:
             mesh = init_device_mesh(self.device.type, (self.world_size,))
@@ -200,8 +205,17 @@ class ParallelStrategy:
             kw["offload_policy"] = CPUOffloadPolicy()
         elif train.fsdp_cpu_offload and self.is_main:
             log.info("train.fsdp_cpu_offload: training on the CPU already; nothing to offload")
+        if self.pipelined is not None:  # each stage: its blocks, then the stage's root
+            for stage in self.pipelined.modules:
+                fully_shard_model(stage, stage.layers.values(), **kw)
+            return self.pipelined.held
         fully_shard_model(model, model.layers, **kw)
         return model
+
+    def trained(self, model: nn.Module) -> nn.Module:
+        """The module whose parameters this rank trains: ``model``, or under pipeline
+        parallelism this rank's stages (:class:`llmkit.training.pipelined.RankStages`)."""
+        return self.pipelined.held if self.pipelined is not None else model
 
     def _compose(self, model: nn.Module) -> Any:
         """Apply the mesh's model parallelism to ``model`` in place (tensor parallelism by
@@ -211,6 +225,27 @@ class ParallelStrategy:
             from llmkit.parallel.tensor import parallelize_transformer
 
             self.order = parallelize_transformer(model, place.sub("tp"))
+        if self.layout.pp > 1:
+            from llmkit.parallel.pipeline import build_stages
+            from llmkit.training.pipelined import PipelinedTraining
+
+            group = place.sub("pp").get_group()
+            stages = build_stages(
+                model,
+                pp_rank=place.pp_rank,
+                pp_size=self.layout.pp,
+                stages_per_rank=self.layout.stages_per_rank,
+                device=self.device,
+                group=group,
+            )
+            self.pipelined = PipelinedTraining(
+                stages,
+                model,
+                schedule=self.layout.schedule,
+                microbatches=self.layout.microbatches,
+                pp_group=group,
+                is_writer=place.data_rank == 0,
+            )
         if self.layout.cp > 1:
             from llmkit.parallel.context import ContextParallel
 
@@ -249,7 +284,7 @@ class ParallelStrategy:
             with contextlib.nullcontext() if sync else wrapped.no_sync():
                 yield
             return
-        if self._fsdp:
+        if self._fsdp and self.pipelined is None:  # a pipeline's stages sync by themselves
             wrapped.set_requires_gradient_sync(sync)  # FSDP2: also reduce-scatters only then
         yield
 
@@ -264,7 +299,10 @@ class ParallelStrategy:
         every checkpoint and the final weights load on one device."""
         if not self.sharded:
             return model if self.is_main else None
-        full = distributed.full_model_state(model)  # collective
+        if self.pipelined is not None:
+            full = self.pipelined.full_state() or {}  # collective: every stage to rank 0
+        else:
+            full = distributed.full_model_state(model)  # collective
         if not self.is_main:
             return None
         full = self.order.state_to_canonical(full)
@@ -302,8 +340,12 @@ class ParallelStrategy:
         keyed by parameter name, so that one process can resume from the plain files — each
         rank its RNG state when distributed, and under FSDP every rank its model and
         optimizer shards (resharding on load, for a job that opts in to reading them)."""
-        if self.sharded:
+        model = self.trained(model)
+        if self.pipelined is not None:  # every stage's state to rank 0
+            full = self.pipelined.full_optimizer_state(optimizer) or {}
+        elif self.sharded:
             full = distributed.full_optimizer_state(model, optimizer)  # collective
+        if self.sharded:
             if self.is_main:
                 full = self.order.optimizer_to(full, self.order.to_canonical)
                 state = {**state, "optimizer": full, "optimizer_keys": "names"}
@@ -320,7 +362,7 @@ class ParallelStrategy:
             rank_state={"rng": rng_state()} if self.distributed else None,
             write_shards=(
                 (lambda d: distributed.save_sharded(model, optimizer, str(d)))
-                if self.sharded
+                if self.sharded and self.pipelined is None  # pipeline stages: plain files
                 else None
             ),
         )
@@ -338,7 +380,7 @@ class ParallelStrategy:
         reads the plain files (``model.safetensors``, ``state.pt``), which unpickle nothing.
         A sharded job cannot read a plain checkpoint's optimizer state: one line saying so."""
         if self.mode == "mesh":
-            return self._load_mesh(ckpt, model, optimizer, state)
+            return self._load_mesh(ckpt, self.trained(model), optimizer, state)
         if self.sharded:
             if not (ckpt / SHARDS).is_dir():
                 raise LlmkitError(
@@ -385,7 +427,7 @@ class ParallelStrategy:
         shards were written by a mesh job and the user opted in to reading them."""
         if self.mode == "fsdp":
             return True
-        if self.mode != "mesh" or not (ckpt / SHARDS).is_dir():
+        if self.mode != "mesh" or self.pipelined is not None or not (ckpt / SHARDS).is_dir():
             return False
         if not distributed.trusts_checkpoints():
             return False
@@ -418,8 +460,12 @@ class ParallelStrategy:
         weights = self.order.state_to_model(load_file(str(ckpt / WEIGHTS)))
         saved = state["optimizer"]
         if state.get("optimizer_keys") != "names":
-            saved = distributed.optimizer_state_by_name(saved, model, optimizer)
+            saved = distributed.optimizer_state_by_name(
+                saved, model, optimizer, order=self.optimizer_order
+            )
         saved = self.order.optimizer_to(saved, self.order.to_model)
+        if self.pipelined is not None:  # this rank's stages' part
+            weights, saved = self.pipelined.held_part(weights, saved)
         try:
             distributed.load_full_state(model, optimizer, weights, saved)
         except (ValueError, KeyError, TypeError, RuntimeError) as exc:

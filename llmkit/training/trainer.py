@@ -195,12 +195,19 @@ class Trainer:
             self.log(line)
         self.model = model.to(self.device)
         self.model.activation_checkpointing = t.activation_checkpointing
+        opt = self.rs.optimizer
+        if strategy.layout.pp > 1:  # how one process numbers the optimizer's parameters
+            names = {id(p): n for n, p in self.model.named_parameters()}
+            whole = opt.build(self.model, opt.options)
+            strategy.optimizer_order = [
+                names[id(p)] for g in whole.param_groups for p in g["params"]
+            ]
+            del whole
         wrapped = strategy.wrap(self.model, t, self.precision)
         line = strategy.describe(t.batch_size, t.grad_accum)
         if line:
             self.log(line)
-        opt = self.rs.optimizer
-        self.optimizer = opt.build(self.model, opt.options)
+        self.optimizer = opt.build(strategy.trained(self.model), opt.options)
         sched = self.rs.schedule
         try:
             self.lr_factor = sched.build(sched.options, total_steps=t.max_steps)
@@ -209,7 +216,7 @@ class Trainer:
         self.objective = plan.objective(self.tokenizer, self.device, self.log)
         self.objective.to(self.device)
         self.train_step = TrainStep(
-            self.model,
+            strategy.trained(self.model),
             self.optimizer,
             objective=self.objective,
             strategy=strategy,
@@ -247,12 +254,6 @@ class Trainer:
         positions = [plan.position for plan in rs.layers]
         layout = self.strategy.layout
         problems = layout_problems(rs.spec, layout, kernels, positions)
-        if layout.pp > 1:
-            problems.append(
-                f"train.parallel.pp = {layout.pp}: the trainer does not run pipeline "
-                "parallelism yet (llmkit.parallel.pipeline has the stages and schedules as a "
-                "library); use dp_replicate, dp_shard, cp and tp"
-            )
         if problems:
             raise LlmkitError(
                 problems[0] + (f" (and {len(problems) - 1} more)" if problems[1:] else "")
@@ -609,6 +610,12 @@ class Trainer:
         rows = eval_batches(tokens, self.block_size, t.batch_size * strategy.data_world, n_batches)
         counted, padding = strategy.eval_shares(rows)
         amp = hardware.autocast(self.device, self.precision)
+        if strategy.pipelined is not None:  # the last stage's ranks score; all run
+            with amp:
+                strategy.pipelined.evaluate(padding)
+                local = strategy.pipelined.evaluate(counted)
+            total, count = strategy.sum(list(local))
+            return total / max(count, 1), total / max(count, 1)
         if padding:
             evaluate_batches(self.model, padding, self.device, amp, self.objective)
         res = evaluate_batches(self.model, counted, self.device, amp, self.objective)
@@ -623,7 +630,8 @@ class Trainer:
 
     def _weights_finite(self) -> bool:
         """Whether every weight is finite, on every rank (each checks its own shards)."""
-        local = [p.to_local() if hasattr(p, "to_local") else p for p in self.model.parameters()]
+        params = self.train_step.model.parameters()  # this rank's (a pipeline: its stages)
+        local = [p.to_local() if hasattr(p, "to_local") else p for p in params]
         ok = all(bool(torch.isfinite(p.detach()).all()) for p in local)
         return not self.strategy.any([not ok])[0]
 

@@ -62,3 +62,26 @@ def test_layout_problems_name_what_does_not_divide():
         "does not divide train.batch_size" in layout_problems(spec, Layout(pp=2, microbatches=3))[0]
     )
     assert "multiple of 2·cp" in layout_problems(_spec(max_seq_len=30), Layout(cp=2))[0]
+
+
+def test_pipeline_refuses_what_its_stages_do_not_train():
+    untied = _spec(n_layers=2, tie_embeddings=False)
+    assert layout_problems(untied, Layout(pp=2, microbatches=2)) == []
+    tied = layout_problems(_spec(n_layers=2, tie_embeddings=True), Layout(pp=2, microbatches=2))
+    assert tied == [
+        "train.parallel.pp = 2 cannot be combined with model.tie_embeddings (the embedding "
+        "and the head sit on the first and the last stage; set it to false)"
+    ]
+    both = layout_problems(untied, Layout(pp=2, tp=2, microbatches=2))
+    assert "tensor or context parallelism inside a stage" in both[-1]
+
+
+def test_context_parallelism_refuses_score_biases_and_unsupported_kernels():
+    rs = load_spec_dict(tiny_spec(position={"name": "alibi"}))
+    kernels = [plan.attention for plan in rs.layers]
+    positions = [plan.position for plan in rs.layers]
+    found = layout_problems(rs.spec, Layout(cp=2), kernels, positions)
+    assert any("position 'alibi' (layer 0) biases the attention scores" in p for p in found)
+    dense = load_spec_dict(tiny_spec(attention={"name": "dense"}))
+    found = layout_problems(dense.spec, Layout(cp=2), [p.attention for p in dense.layers])
+    assert "does not declare the context_parallel capability" in found[0]

@@ -13,6 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tests.training.test_distributed import (
     TRAIN,
@@ -36,6 +37,9 @@ def references(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Pa
     accumulation steps)."""
     tmp = tmp_path_factory.mktemp("mesh")
     spec = write_spec(tmp, grad_accum=2)
+    untied = yaml.safe_load(spec.read_text())  # pipeline stages hold the embedding and the
+    untied["model"]["tie_embeddings"] = False  # head apart
+    spec.write_text(yaml.safe_dump(untied))
     ok(single("train", str(spec), "--out", str(tmp / "b4"), *TRAIN))
     ok(single("train", str(spec), "--out", str(tmp / "b8"), *TRAIN, "--set", "train.batch_size=8"))
     return spec, tmp / "b4", tmp / "b8"
@@ -121,3 +125,35 @@ def test_a_bad_layout_is_one_line_before_any_model(references, tmp_path, setting
     assert len(errors) == 1 and message in errors[0], proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr.split("error: [rank")[0]
     assert not (tmp_path / "r" / "checkpoints").exists()
+
+
+def test_pipeline_parallelism_matches_one_process_and_resumes_on_one(references, tmp_path):
+    """pp = 2 (1F1B, 2 micro-batches) trains the one-process curve; killed at step 11, its
+    plain checkpoint files — every stage's weights and optimizer state gathered to rank 0 —
+    resume on one process exactly."""
+    spec, b4, _ = references
+    out = tmp_path / "pp"
+    pp2 = ("--set", "train.parallel.pp=2")
+    proc = run(torchrun("train", str(spec), "--out", str(out), *TRAIN, *pp2, *CKPT), **FAIL)
+    _failed(proc)
+    assert "distributed: mesh pp=2 (pipeline 1f1b, 2 micro-batches" in proc.stdout
+    train, val = metrics(out)
+    assert len(train) == 10 and len(val) == 1
+    assert_same(train, metrics(b4)[0][:10])
+    resumed = ok(single("train", "--resume", str(out), *TRAIN, "--set", "train.parallel=auto"))
+    assert "at step 8" in resumed.stdout
+    assert_same(metrics(out)[0], metrics(b4)[0])
+    assert_same(metrics(out)[1], metrics(b4)[1])
+
+
+def test_a_one_process_run_resumes_on_pipeline_stages(references, tmp_path):
+    """The other way: a one-process checkpoint (optimizer state numbered, not named) resumes
+    on pp = 2 under GPipe, each stage keeping its part."""
+    spec, b4, _ = references
+    out = tmp_path / "one"
+    _failed(run(single("train", str(spec), "--out", str(out), *TRAIN, *CKPT), **FAIL))
+    gpipe = ("--set", "train.parallel.pp=2", "--set", "train.parallel.schedule=gpipe")
+    resumed = ok(torchrun("train", "--resume", str(out), *TRAIN, *gpipe))
+    assert "(its whole weights split onto pp=2" in resumed.stdout
+    assert_same(metrics(out)[0], metrics(b4)[0])
+    assert_same(metrics(out)[1], metrics(b4)[1])
