@@ -2,8 +2,8 @@
 
 Equality contract as in tests/training/test_distributed.py: with dropout 0 and the same
 global batch, a layout's loss and validation curves equal one process's within 1e-4 (measured:
-≤ 6e-5; fp32 summation order). Context parallelism (cp) splits each row's tokens: the same curves.
-A run resumes on another layout from its plain files (any
+≤ 6e-5; fp32 summation order), for tensor (tp), context (cp) and pipeline (pp) parallelism,
+with activation checkpointing on. A run resumes on another layout from its plain files (any
 layout) or its DCP shards (a job of the same form, resharded), exactly: the run killed at a
 step and resumed elsewhere equals the uninterrupted single-process run.
 """
@@ -29,6 +29,7 @@ from tests.training.test_distributed import (
 FAIL = {"LLMKIT_FAIL_AT": "0:11"}  # rank 0 raises before step 11: checkpoints 4 and 8 kept
 CKPT = ("--set", "train.checkpoint_interval=4")
 TP2 = ("--set", "train.parallel.tp=2")
+AC = ("--set", "train.activation_checkpointing=true")  # exact: the curves do not change
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +53,7 @@ def _failed(proc) -> None:
 def test_tensor_parallel_matches_one_process_and_resumes_on_one(references, tmp_path):
     spec, b4, _ = references
     out = tmp_path / "tp"
-    proc = run(torchrun("train", str(spec), "--out", str(out), *TRAIN, *TP2, *CKPT), **FAIL)
+    proc = run(torchrun("train", str(spec), "--out", str(out), *TRAIN, *TP2, *AC, *CKPT), **FAIL)
     _failed(proc)
     assert "distributed: mesh tp=2 on 2 processes (gloo); global batch 8 sequences" in proc.stdout
     train, _ = metrics(out)
@@ -88,7 +89,7 @@ def test_context_parallelism_matches_one_process_and_resumes_split_by_tp(referen
     form) resumes under tensor parallelism, each rank keeping its part of the whole weights."""
     spec, b4, _ = references
     out = tmp_path / "cp"
-    cp2 = ("--set", "train.parallel.cp=2")
+    cp2 = ("--set", "train.parallel.cp=2", *AC)  # recomputed blocks re-run the ring
     proc = run(torchrun("train", str(spec), "--out", str(out), *TRAIN, *cp2, *CKPT), **FAIL)
     _failed(proc)
     assert "distributed: mesh cp=2 on 2 processes (gloo); global batch 8 sequences" in proc.stdout
@@ -133,7 +134,7 @@ def test_pipeline_parallelism_matches_one_process_and_resumes_on_one(references,
     resume on one process exactly."""
     spec, b4, _ = references
     out = tmp_path / "pp"
-    pp2 = ("--set", "train.parallel.pp=2")
+    pp2 = ("--set", "train.parallel.pp=2", *AC)
     proc = run(torchrun("train", str(spec), "--out", str(out), *TRAIN, *pp2, *CKPT), **FAIL)
     _failed(proc)
     assert "distributed: mesh pp=2 (pipeline 1f1b, 2 micro-batches" in proc.stdout
