@@ -98,7 +98,8 @@ class PipelinedTraining:
             if any(isinstance(m, SideOutputs) for m in module.modules()):
                 raise LlmkitError(
                     "pipeline parallelism does not train auxiliary losses (a component "
-                    "reports side outputs, e.g. a mixture-of-experts load-balancing loss); use pp = 1"
+                    "reports side outputs, e.g. a mixture-of-experts load-balancing loss); "
+                    "use pp = 1"
                 )
         self.held = RankStages(self.modules)
         self.model_order = {n: i for i, (n, _) in enumerate(model.named_parameters())}

@@ -1,13 +1,13 @@
 """Tensor parallelism on 2 gloo processes: for built-in components in many combinations, a
 split model's loss, logits and every gradient (in the model's own row order) equal one
-process's (fp32, within 1e-5); plans are declared by every built-in model component, and a
+process's (fp32, within 1e-5), mixtures of experts split by expert with their auxiliary
+losses; plans are declared by every built-in model component, and a
 component without one is refused by name."""
 
 from __future__ import annotations
 
 import copy
 import os
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -36,6 +36,32 @@ COMBOS: list[dict[str, Any]] = [
     },
     {"block": {"name": "parallel"}, "qkv_bias": True, "attention": {"name": "flash"}},
     {"block": {"name": "sandwich"}, "attention": {"name": "sliding_window", "window": 4}},
+    {  # expert parallelism: 4 experts, 2 a rank; shared gated expert, capacity, biases
+        "ffn": {
+            "name": "moe",
+            "num_experts": 4,
+            "top_k": 2,
+            "expert": {"name": "swiglu", "hidden": 32},
+            "shared_experts": 1,
+            "shared_expert_gate": True,
+            "capacity_factor": 1.0,
+            "router_bias": True,
+            "load_balance_coef": 0.01,
+            "z_loss_coef": 0.001,
+        },
+        "bias": True,
+    },
+    {  # DeepSeek-V3 routing, plain mlp experts
+        "ffn": {
+            "name": "moe",
+            "num_experts": 4,
+            "top_k": 2,
+            "routing": "sigmoid_topk",
+            "n_group": 2,
+            "topk_group": 1,
+            "expert": {"name": "mlp", "hidden": 32},
+        },
+    },
 ]
 
 
@@ -61,9 +87,9 @@ def _worker(rank: int, world: int, store: str, path: str) -> None:
         y = torch.randint(0, 64, (2, 16))
         y[0, :3] = -100
         out = model(x, y)
-        out.loss.backward()
+        sum(out.aux_losses.values(), out.loss).backward()  # auxiliary losses (moe) included
         expected = ref(x, y)
-        expected.loss.backward()
+        sum(expected.aux_losses.values(), expected.loss).backward()
         grads = {}
         for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters(), strict=True):
             g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
@@ -72,7 +98,8 @@ def _worker(rank: int, world: int, store: str, path: str) -> None:
         ref.eval()
         with torch.no_grad():
             logits = (model(x).logits - ref(x).logits).abs().max().item()
-        results.append((out.loss.item(), expected.loss.item(), grads, logits))
+        aux = sum(abs(out.aux_losses[k].item() - v.item()) for k, v in expected.aux_losses.items())
+        results.append((out.loss.item(), expected.loss.item(), grads, logits, aux))
     if rank == 0:
         torch.save(results, path)
     dist.barrier()
@@ -94,8 +121,8 @@ def split_results(tmp_path_factory: pytest.TempPathFactory) -> list[Any]:
 
 @pytest.mark.parametrize("i", range(len(COMBOS)))
 def test_a_split_model_computes_what_one_process_computes(split_results, i):
-    loss, expected, grads, logits = split_results[i]
-    assert abs(loss - expected) <= 1e-5
+    loss, expected, grads, logits, aux = split_results[i]
+    assert abs(loss - expected) <= 1e-5 and aux <= 1e-6
     worst = max(grads, key=grads.get)
     assert grads[worst] <= 1e-5, (worst, grads[worst])
     assert logits <= 1e-5
@@ -150,14 +177,15 @@ def test_a_hidden_size_tp_does_not_divide_is_one_line():
         component_plan(model.ffn_modules[0], "ffn", 2)
 
 
-def test_moe_declares_no_plan_yet(tmp_path: Path):
+def test_moe_splits_whole_experts_only():
     from llmkit.model import build_model
     from llmkit.spec import load_spec_dict
     from tests.helpers import tiny_spec
 
-    model = build_model(load_spec_dict(tiny_spec(ffn={"name": "moe", "num_experts": 4})))
-    with pytest.raises(LlmkitError, match="declares no tensor-parallel plan"):
-        component_plan(model.ffn_modules[0], "ffn 'moe'", 2)
+    model = build_model(load_spec_dict(tiny_spec(ffn={"name": "moe", "num_experts": 6})))
+    assert set(component_plan(model.ffn_modules[0], "ffn 'moe'", 2)) == {""}
+    with pytest.raises(LlmkitError, match="num_experts = 6 is not a multiple of"):
+        component_plan(model.ffn_modules[0], "ffn 'moe'", 4)
 
 
 def test_the_conformance_check_refuses_a_malformed_plan():

@@ -68,6 +68,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -88,6 +89,19 @@ EXPERT_BLOCKS: dict[str, type[nn.Module]] = {"mlp": MLP, "swiglu": SwiGLU, "gegl
 
 
 # -- module -----------------------------------------------------------------------------------
+
+
+def _call_local(module: nn.Module, x: Tensor) -> Tensor:
+    """``module(x)``, its parameters replaced by the rank's local tensors when they are
+    split for expert parallelism (:func:`llmkit.parallel.experts.local_part`)."""
+    if not any(hasattr(p, "device_mesh") for p in module.parameters()):
+        return module(x)
+    from torch.func import functional_call
+
+    from llmkit.parallel.experts import local_part
+
+    local = {name: local_part(p)[0] for name, p in module.named_parameters()}
+    return functional_call(module, local, (x,))
 
 
 class Router(nn.Module):
@@ -218,6 +232,16 @@ class MoE(SideOutputs, nn.Module):
             parts.append("shared_expert_gate=True")
         return "".join(f", {p}" for p in parts)
 
+    def tensor_parallel_plan(self, tp: int) -> dict[str, Any]:
+        """Tensor parallelism as expert parallelism: each rank holds ``num_experts / tp``
+        experts, the router and the shared expert whole (:mod:`llmkit.parallel.experts`)."""
+        from llmkit.parallel.experts import expert_parallel
+        from llmkit.parallel.tensor import check_divides
+
+        check_divides("the moe's num_experts", self.num_experts, tp)
+        split = [n for n in ("w_in", "w_out", "b_in", "b_out") if getattr(self, n) is not None]
+        return {"": expert_parallel(split)}
+
     # -- forward ------------------------------------------------------------------------------
     def capacity(self, n_tokens: int) -> int | None:
         """Assignments an expert may take in a call over ``n_tokens`` tokens (None: all)."""
@@ -235,7 +259,7 @@ class MoE(SideOutputs, nn.Module):
         if self.training and o.jitter > 0:
             noise = torch.empty_like(x).uniform_(1.0 - o.jitter, 1.0 + o.jitter)
             inp = x * noise
-        logits = self.router(inp)
+        logits = _call_local(self.router, inp)
         if o.routing == "topk_softmax":
             top, experts = logits.topk(self.top_k, dim=-1)
             weights = top.softmax(dim=-1)
@@ -256,6 +280,8 @@ class MoE(SideOutputs, nn.Module):
         scores = logits.sigmoid()
         bias = self.router.score_correction_bias
         assert bias is not None
+        if hasattr(bias, "to_local"):  # replicated under expert parallelism
+            bias = bias.to_local()
         choice = scores.detach() + bias.float()
         groups, kept = o.n_group, o.topk_group or o.n_group
         if kept < groups:
@@ -272,14 +298,26 @@ class MoE(SideOutputs, nn.Module):
         return experts, weights
 
     def expert_weights(self) -> list[tuple[Tensor, Tensor | None, Tensor, Tensor | None]]:
-        """``(w_in, b_in, w_out, b_out)`` of every expert, as views. ``unbind`` makes the
-        backward one stack of per-expert gradients; indexing ``w_in[e]`` would instead add a
-        full-size zero gradient per expert (E² work)."""
-        E = self.num_experts
+        """``(w_in, b_in, w_out, b_out)`` of every expert this rank holds (all of them
+        without expert parallelism), as views. ``unbind`` makes the backward one stack of
+        per-expert gradients; indexing ``w_in[e]`` would instead add a full-size zero
+        gradient per expert (E² work)."""
+        from llmkit.parallel.experts import local_part
+
+        w_in, w_out = local_part(self.w_in)[0], local_part(self.w_out)[0]
+        E = w_in.shape[0]
         none: list[Tensor | None] = [None] * E
-        b_in = none if self.b_in is None else list(self.b_in.view(E, -1).unbind(0))
-        b_out = none if self.b_out is None else list(self.b_out.view(E, -1).unbind(0))
-        return list(zip(self.w_in.unbind(0), b_in, self.w_out.unbind(0), b_out, strict=True))
+        b_in = none if self.b_in is None else list(local_part(self.b_in)[0].view(E, -1).unbind(0))
+        b_out = (
+            none if self.b_out is None else list(local_part(self.b_out)[0].view(E, -1).unbind(0))
+        )
+        return list(zip(w_in.unbind(0), b_in, w_out.unbind(0), b_out, strict=True))
+
+    def _expert_ranks(self) -> tuple[int, int]:
+        """This rank's index and the number of ranks the experts are split over (0, 1
+        without expert parallelism)."""
+        mesh = getattr(self.w_in, "device_mesh", None)
+        return (0, 1) if mesh is None else (mesh.get_local_rank(), mesh.size())
 
     def expert_forward(
         self, x: Tensor, weights: tuple[Tensor, Tensor | None, Tensor, Tensor | None]
@@ -315,8 +353,14 @@ class MoE(SideOutputs, nn.Module):
         tokens = order % N if k > 1 else order
         xs = flat[tokens]  # (M, C), M ≤ k·N
         params = self.expert_weights()
+        # Under expert parallelism this rank runs its experts only; the others' rows stay 0
+        # here and come from their ranks when the outputs are summed.
+        rank, ranks = self._expert_ranks()
+        first = rank * len(params)
         outs = [
-            self.expert_forward(seg, params[e])
+            self.expert_forward(seg, params[e - first])
+            if first <= e < first + len(params)
+            else seg.new_zeros(seg.shape[0], shape[-1])
             for e, seg in enumerate(xs.split(sizes))
             if sizes[e] > 0
         ]
@@ -325,10 +369,14 @@ class MoE(SideOutputs, nn.Module):
         out = ys.new_zeros(k * N, shape[-1]).index_copy(0, order, ys)
         out = out.view(k, N, -1).sum(0)
         if self.shared is not None:
-            shared = self.shared(flat)
+            shared = _call_local(self.shared, flat)
             if self.shared_gate is not None:
-                shared = self.shared_gate(flat).sigmoid().to(shared.dtype) * shared
-            out = out + shared
+                shared = _call_local(self.shared_gate, flat).sigmoid().to(shared.dtype) * shared
+            out = out + (shared / ranks if ranks > 1 else shared)  # every rank a share
+        if ranks > 1:  # computed whole on every rank: each carries 1/ranks of its gradient
+            from llmkit.parallel.experts import scaled_gradient
+
+            logits = scaled_gradient(logits, 1.0 / ranks)
         self._report(logits, counts, kept, N)
         return out.view(*shape[:-1], out.shape[-1])
 
