@@ -170,7 +170,6 @@ def _pipeline_problems(spec: Any, layout: Layout) -> list[str]:
     m, t = spec.model, spec.train
     extra = getattr(t, "model_extra", None) or {}
     refused = [
-        (layout.tp > 1 or layout.cp > 1, "tensor or context parallelism inside a stage"),
         (
             m.tie_embeddings,
             "model.tie_embeddings (the embedding and the head sit on the first "

@@ -10,9 +10,10 @@ contiguous layers, run by :mod:`torch.distributed.pipelining`'s schedules.
   ``r, r + pp, r + 2·pp, …``, what interleaved 1F1B expects) as torch ``PipelineStage`` s.
 - :class:`Pipeline` runs a schedule (``gpipe``, ``1f1b``, ``interleaved_1f1b``) over them.
 
-Under pipeline parallelism positions are the defaults (``0..T-1`` for every row): key
-padding, KV caches and document masking are not supported, nor tensor parallelism inside a
-stage. Auxiliary losses reported through the side channel (an MoE's load-balancing loss) are
+Under pipeline parallelism positions are the defaults (``0..T-1`` for every row, or the
+rank's global positions under context parallelism): key padding, KV caches and document
+masking are not supported. A model split by tensor or context parallelism before the cut
+runs split inside every stage. Auxiliary losses reported through the side channel (an MoE's load-balancing loss) are
 dropped: the pipeline trains the ``loss_fn`` of the logits only. Parameters shared by stages
 on different ranks (tied embeddings when ``pp > 1``) are refused, since their gradients would
 need summing across ranks.
@@ -164,11 +165,10 @@ class PipelineStageModule(nn.Module):
         layers = list(layers)
         if not layers or layers != list(range(layers[0], layers[-1] + 1)):
             raise LlmkitError(f"pipeline stage: layers must be contiguous and non-empty: {layers}")
-        if getattr(model, "tensor_parallel", None) is not None:
-            raise LlmkitError(
-                "pipeline parallelism does not run a tensor-parallel model (tp inside a stage "
-                "is not supported yet)"
-            )
+        #: The model's tensor- and context-parallel state (set before the cut): a stage then
+        #: splits its sequence as the model's forward does.
+        self.tensor_parallel = getattr(model, "tensor_parallel", None)
+        self.context_parallel = getattr(model, "context_parallel", None)
         self.is_first = is_first
         self.is_last = is_last
         self.layer_ids = layers
@@ -196,9 +196,16 @@ class PipelineStageModule(nn.Module):
         self._reporters = [m for m in self.layers.modules() if isinstance(m, SideOutputs)]
 
     def forward(self, x: Tensor) -> Tensor:
-        """Token ids (first stage) or hidden states in; hidden states or logits (last) out."""
-        T = x.shape[1]
-        positions = torch.arange(T, device=x.device)
+        """Token ids (first stage) or hidden states in; hidden states or logits (last) out.
+        Under tensor parallelism the hidden states between stages are the rank's part of
+        the sequence and the logits its part of the vocabulary; under context parallelism
+        every tensor holds the rank's chunks of each row, at their global positions."""
+        tp, cp = self.tensor_parallel, self.context_parallel
+        T = x.shape[1] if self.is_first or tp is None else x.shape[1] * tp.size
+        if cp is not None:
+            positions = cp.positions(T * cp.cp, x.device)
+        else:
+            positions = torch.arange(T, device=x.device)
         if self.is_first:
             x = self.tok_emb(x)
             if self.embedding_scale != 1.0:  # as the model: rounded to the activations' dtype
@@ -206,9 +213,11 @@ class PipelineStageModule(nn.Module):
             x = self.position.embed(x, positions)
             if self.training and self.drop.p > 0:
                 x = self.drop(x)
+            if tp is not None:
+                x = tp.split_sequence(x)  # sequence parallelism between layers
         recompute = self.activation_checkpointing and self.training
         for scheme, block in zip(self._positions, self.layers.values(), strict=True):
-            inputs = AttentionInputs(scheme, positions, None, None, None)
+            inputs = AttentionInputs(scheme, positions, None, None, None, cp)
             x = checkpoint(block, x, inputs, use_reentrant=False) if recompute else block(x, inputs)
         for reporter in self._reporters:  # auxiliary losses are not trained under pp
             reporter.pop_side_outputs()

@@ -317,12 +317,15 @@ class TensorParallelState:
         """The mean cross-entropy (targets of -100 ignored) of ``logits`` (..., V/tp), this
         rank's slice of the vocabulary, as a scalar on every rank: the logits are never
         gathered (Megatron-LM's vocabulary-parallel cross-entropy)."""
+        keep = targets.reshape(-1) != -100
+        return self.cross_entropy_sum(logits, targets) / keep.sum()
+
+    def cross_entropy_sum(self, logits: Tensor, targets: Tensor) -> Tensor:
+        """:meth:`cross_entropy` summed over the targets instead of averaged."""
         group = self.mesh.get_group()
         flat = logits.float().reshape(-1, logits.shape[-1])
         start = self.mesh.get_local_rank() * flat.shape[-1]
-        losses = _VocabParallelCE.apply(flat, targets.reshape(-1), start, group)
-        keep = targets.reshape(-1) != -100
-        return losses.sum() / keep.sum()
+        return _VocabParallelCE.apply(flat, targets.reshape(-1), start, group).sum()
 
     def whole(self, logits: Tensor) -> Tensor:
         """This rank's vocabulary slice of ``logits`` gathered into the whole logits

@@ -102,6 +102,7 @@ class PipelinedTraining:
                     "use pp = 1"
                 )
         self.held = RankStages(self.modules)
+        self.tensor_parallel = getattr(model, "tensor_parallel", None)
         self.model_order = {n: i for i, (n, _) in enumerate(model.named_parameters())}
         self.pipeline = Pipeline(self.stages, schedule, microbatches, loss_fn=self._loss)
         self.microbatches = microbatches
@@ -116,12 +117,15 @@ class PipelinedTraining:
     def _loss(self, logits: Tensor, targets: Tensor) -> Tensor:
         """A micro-batch's summed cross-entropy times the current scale (times the number
         of micro-batches, which :class:`Pipeline` divides by)."""
-        total = F.cross_entropy(
-            logits.float().view(-1, logits.size(-1)),
-            targets.reshape(-1),
-            ignore_index=-100,
-            reduction="sum",
-        )
+        if self.tensor_parallel is not None:  # logits split by vocabulary
+            total = self.tensor_parallel.cross_entropy_sum(logits, targets)
+        else:
+            total = F.cross_entropy(
+                logits.float().view(-1, logits.size(-1)),
+                targets.reshape(-1),
+                ignore_index=-100,
+                reduction="sum",
+            )
         return total * self._scale * self.microbatches
 
     def train(self, x: Tensor, y: Tensor, weight: Tensor) -> Tensor:

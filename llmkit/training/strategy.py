@@ -225,7 +225,12 @@ class ParallelStrategy:
             from llmkit.parallel.tensor import parallelize_transformer
 
             self.order = parallelize_transformer(model, place.sub("tp"))
-        if self.layout.pp > 1:
+        if self.layout.cp > 1:
+            from llmkit.parallel.context import ContextParallel
+
+            self.context = ContextParallel.from_group(place.sub("cp").get_group())
+            model.context_parallel = self.context
+        if self.layout.pp > 1:  # last: the stages take the model's tp and cp state
             from llmkit.parallel.pipeline import build_stages
             from llmkit.training.pipelined import PipelinedTraining
 
@@ -244,13 +249,8 @@ class ParallelStrategy:
                 schedule=self.layout.schedule,
                 microbatches=self.layout.microbatches,
                 pp_group=group,
-                is_writer=place.data_rank == 0,
+                is_writer=place.data_rank == 0 and place.tp_rank == 0 and place.cp_rank == 0,
             )
-        if self.layout.cp > 1:
-            from llmkit.parallel.context import ContextParallel
-
-            self.context = ContextParallel.from_group(place.sub("cp").get_group())
-            model.context_parallel = self.context
         return place.fsdp_mesh()
 
     def context_rows(self, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:

@@ -147,14 +147,16 @@ def test_pipeline_parallelism_matches_one_process_and_resumes_on_one(references,
     assert_same(metrics(out)[1], metrics(b4)[1])
 
 
-def test_a_one_process_run_resumes_on_pipeline_stages(references, tmp_path):
-    """The other way: a one-process checkpoint (optimizer state numbered, not named) resumes
-    on pp = 2 under GPipe, each stage keeping its part."""
+def test_a_one_process_run_resumes_on_pipeline_stages_split_by_tp(references, tmp_path):
+    """The other way, composed: a one-process checkpoint (optimizer state numbered, not
+    named) resumes on pp = 2 × tp = 2 under GPipe (4 processes), each stage keeping its part
+    and splitting it by tensor parallelism (sequence-parallel hidden states between stages,
+    the vocabulary-parallel loss on the last)."""
     spec, b4, _ = references
     out = tmp_path / "one"
     _failed(run(single("train", str(spec), "--out", str(out), *TRAIN, *CKPT), **FAIL))
-    gpipe = ("--set", "train.parallel.pp=2", "--set", "train.parallel.schedule=gpipe")
-    resumed = ok(torchrun("train", "--resume", str(out), *TRAIN, *gpipe))
-    assert "(its whole weights split onto pp=2" in resumed.stdout
+    gpipe = ("--set", "train.parallel.pp=2", "--set", "train.parallel.schedule=gpipe", *TP2)
+    resumed = ok(torchrun("train", "--resume", str(out), *TRAIN, *gpipe, nproc=4))
+    assert "(its whole weights split onto pp=2 × tp=2" in resumed.stdout
     assert_same(metrics(out)[0], metrics(b4)[0])
     assert_same(metrics(out)[1], metrics(b4)[1])
