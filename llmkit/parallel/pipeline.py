@@ -13,8 +13,9 @@ contiguous layers, run by :mod:`torch.distributed.pipelining`'s schedules.
 Under pipeline parallelism positions are the defaults (``0..T-1`` for every row, or the
 rank's global positions under context parallelism): key padding, KV caches and document
 masking are not supported. A model split by tensor or context parallelism before the cut
-runs split inside every stage. Auxiliary losses reported through the side channel (an MoE's load-balancing loss) are
-dropped: the pipeline trains the ``loss_fn`` of the logits only. Parameters shared by stages
+runs split inside every stage. Auxiliary losses reported through the side channel (an
+MoE's load-balancing loss) are dropped: the pipeline trains the ``loss_fn`` of the logits
+only (the trainer refuses such a model under ``pp > 1``). Parameters shared by stages
 on different ranks (tied embeddings when ``pp > 1``) are refused, since their gradients would
 need summing across ranks.
 """
