@@ -362,7 +362,7 @@ class ParallelStrategy:
             rank_state={"rng": rng_state()} if self.distributed else None,
             write_shards=(
                 (lambda d: distributed.save_sharded(model, optimizer, str(d)))
-                if self.sharded and self.pipelined is None  # pipeline stages: plain files
+                if self.sharded
                 else None
             ),
         )
@@ -427,7 +427,7 @@ class ParallelStrategy:
         shards were written by a mesh job and the user opted in to reading them."""
         if self.mode == "fsdp":
             return True
-        if self.mode != "mesh" or self.pipelined is not None or not (ckpt / SHARDS).is_dir():
+        if self.mode != "mesh" or not (ckpt / SHARDS).is_dir():
             return False
         if not distributed.trusts_checkpoints():
             return False

@@ -10,6 +10,7 @@ step and resumed elsewhere equals the uninterrupted single-process run.
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -131,7 +132,7 @@ def test_a_bad_layout_is_one_line_before_any_model(references, tmp_path, setting
 def test_pipeline_parallelism_matches_one_process_and_resumes_on_one(references, tmp_path):
     """pp = 2 (1F1B, 2 micro-batches) trains the one-process curve; killed at step 11, its
     plain checkpoint files — every stage's weights and optimizer state gathered to rank 0 —
-    resume on one process exactly."""
+    resume on one process exactly, and its DCP shards on FSDP ranks."""
     spec, b4, _ = references
     out = tmp_path / "pp"
     pp2 = ("--set", "train.parallel.pp=2", *AC)
@@ -141,10 +142,19 @@ def test_pipeline_parallelism_matches_one_process_and_resumes_on_one(references,
     train, val = metrics(out)
     assert len(train) == 10 and len(val) == 1
     assert_same(train, metrics(b4)[0][:10])
+    copy = tmp_path / "pp-shards"
+    shutil.copytree(out, copy)
     resumed = ok(single("train", "--resume", str(out), *TRAIN, "--set", "train.parallel=auto"))
     assert "at step 8" in resumed.stdout
     assert_same(metrics(out)[0], metrics(b4)[0])
     assert_same(metrics(out)[1], metrics(b4)[1])
+    # its DCP shards (every stage's, named as one process names them) reshard onto FSDP
+    dp2 = ("--set", "train.parallel.pp=1", "--set", "train.parallel.dp_shard=2")
+    again = (*dp2, "--set", "train.batch_size=2")  # the same global batch: the same rows
+    trust = {"LLMKIT_TRUST_CHECKPOINTS": "1"}
+    resumed = ok(torchrun("train", "--resume", str(copy), *TRAIN, *again), **trust)
+    assert "(its dcp/ shards resharded onto dp_shard=2)" in resumed.stdout
+    assert_same(metrics(copy)[0], metrics(b4)[0])
 
 
 def test_a_one_process_run_resumes_on_pipeline_stages_split_by_tp(references, tmp_path):
