@@ -73,3 +73,31 @@ def write_train_spec(tmp_path: Path, corpus: str, *, dropout: float = 0.0, **tra
     path = tmp_path / "spec.yaml"
     path.write_text(yaml.safe_dump(spec))
     return path
+
+
+def spawn_workers(worker: Any, args: tuple[Any, ...], world: int, what: str) -> None:
+    """Run ``worker(rank, *args)`` on ``world`` spawned processes of one thread each; fail the
+    test (never hang) when they have not finished within two minutes."""
+    import os
+    import time
+
+    import pytest
+    import torch.multiprocessing as mp
+
+    saved = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the spawned workers
+    try:
+        context = mp.start_processes(
+            worker, args=args, nprocs=world, join=False, start_method="spawn"
+        )
+    finally:
+        if saved is None:
+            os.environ.pop("OMP_NUM_THREADS")
+        else:
+            os.environ["OMP_NUM_THREADS"] = saved
+    deadline = time.monotonic() + 120
+    while not context.join(timeout=1):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                process.kill()
+            pytest.fail(f"the {world}-process {what} run did not finish in 120 s")

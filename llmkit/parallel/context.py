@@ -23,6 +23,7 @@ attention kernel calls when a context-parallel group is active.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -134,6 +135,15 @@ class _Plan:
             return _SKIP
         return _FULL if k_hi <= q_lo else _PARTIAL
 
+    def visible(self, src: int) -> Iterator[tuple[int, slice, Tensor | None]]:
+        """The (query chunk, key chunk) pairs of rank ``src``'s keys that the causal mask
+        leaves visible: query chunk index, key chunk slice and the mask (None: all visible)."""
+        for a in range(len(self.chunks)):
+            for b, cb in enumerate(self.chunks):
+                kind = self.kind(src, a, b)
+                if kind != _SKIP:
+                    yield a, cb, self.mask(src, a, b) if kind == _PARTIAL else None
+
     def mask(self, src: int, a: int, b: int) -> Tensor:
         """Query chunk ``a`` (folded: G copies) × key chunk ``b`` of rank ``src``: True where
         the key's position is at most the query's."""
@@ -208,16 +218,11 @@ class _RingAttention(torch.autograd.Function):
             src = (rank - step) % cp
             incoming = _exchange(kv, group, rank, cp, _KV_TAG) if step + 1 < cp else None
             kf = vf = None
-            for a in range(len(plan.chunks)):
-                for b, cb in enumerate(plan.chunks):
-                    kind = plan.kind(src, a, b)
-                    if kind == _SKIP:
-                        continue
-                    if kf is None or vf is None:
-                        kf, vf = kv[0].float(), kv[1].float()
-                    mask = plan.mask(src, a, b) if kind == _PARTIAL else None
-                    o, lse = _block_forward(qs[a], kf[:, :, cb], vf[:, :, cb], mask, scale)
-                    acc[a] = _merge(acc[a], o, lse)
+            for a, cb, mask in plan.visible(src):
+                if kf is None or vf is None:
+                    kf, vf = kv[0].float(), kv[1].float()
+                o, lse = _block_forward(qs[a], kf[:, :, cb], vf[:, :, cb], mask, scale)
+                acc[a] = _merge(acc[a], o, lse)
             if incoming is not None:
                 buffer, requests = incoming
                 _wait(requests)
@@ -255,25 +260,21 @@ class _RingAttention(torch.autograd.Function):
             incoming = _exchange(kv, group, rank, cp, _KV_TAG) if step + 1 < cp else None
             dkv: Tensor | None = None  # this step's contribution to block src's gradient
             kf = vf = None
-            for a in range(len(plan.chunks)):
-                for b, cb in enumerate(plan.chunks):
-                    kind = plan.kind(src, a, b)
-                    if kind == _SKIP:
-                        continue
-                    if kf is None or vf is None:
-                        kf, vf = kv[0].float(), kv[1].float()
-                        dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
-                    assert dkv is not None
-                    kb, vb = kf[:, :, cb], vf[:, :, cb]
-                    s = torch.matmul(qs[a], kb.transpose(-1, -2)) * scale
-                    if kind == _PARTIAL:
-                        s = s.masked_fill(~plan.mask(src, a, b), -math.inf)
-                    p = torch.exp(s - lses[a])
-                    dp = torch.matmul(dos[a], vb.transpose(-1, -2))
-                    ds = p * (dp - deltas[a])
-                    dqs[a] += torch.matmul(ds, kb) * scale
-                    dkv[0][:, :, cb] += torch.matmul(ds.transpose(-1, -2), qs[a]) * scale
-                    dkv[1][:, :, cb] += torch.matmul(p.transpose(-1, -2), dos[a])
+            for a, cb, mask in plan.visible(src):
+                if kf is None or vf is None:
+                    kf, vf = kv[0].float(), kv[1].float()
+                    dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
+                assert dkv is not None
+                kb, vb = kf[:, :, cb], vf[:, :, cb]
+                s = torch.matmul(qs[a], kb.transpose(-1, -2)) * scale
+                if mask is not None:
+                    s = s.masked_fill(~mask, -math.inf)
+                p = torch.exp(s - lses[a])
+                dp = torch.matmul(dos[a], vb.transpose(-1, -2))
+                ds = p * (dp - deltas[a])
+                dqs[a] += torch.matmul(ds, kb) * scale
+                dkv[0][:, :, cb] += torch.matmul(ds.transpose(-1, -2), qs[a]) * scale
+                dkv[1][:, :, cb] += torch.matmul(p.transpose(-1, -2), dos[a])
             if grads is not None:
                 buffer, requests = grads
                 _wait(requests)

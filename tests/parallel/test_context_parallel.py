@@ -7,8 +7,6 @@ full-sequence causal attention computed here in one process.
 
 from __future__ import annotations
 
-import os
-import time
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -16,7 +14,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from llmkit.errors import LlmkitError
@@ -26,6 +23,7 @@ from llmkit.parallel.context import (
     shard_indices,
     shard_sequence,
 )
+from tests.helpers import spawn_workers
 
 
 @dataclass(frozen=True)
@@ -128,23 +126,7 @@ def _worker(rank: int, world: int, tmp: str) -> None:
 
 def _spawn(world: int, tmp: Path) -> Path:
     """Run :func:`_worker` on ``world`` processes; fail (never hang) after two minutes."""
-    saved = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the spawned workers
-    try:
-        context = mp.start_processes(
-            _worker, args=(world, str(tmp)), nprocs=world, join=False, start_method="spawn"
-        )
-    finally:
-        if saved is None:
-            os.environ.pop("OMP_NUM_THREADS")
-        else:
-            os.environ["OMP_NUM_THREADS"] = saved
-    deadline = time.monotonic() + 120
-    while not context.join(timeout=1):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.kill()
-            pytest.fail(f"the {world}-process context-parallel run did not finish in 120 s")
+    spawn_workers(_worker, (world, str(tmp)), world, "context-parallel")
     return tmp
 
 

@@ -12,9 +12,7 @@ batches.
 from __future__ import annotations
 
 import itertools
-import os
 import random
-import time
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -22,7 +20,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from llmkit.errors import LlmkitError
 from llmkit.model import build_model
@@ -36,7 +33,7 @@ from llmkit.parallel.pipeline import (
     stage_ranges,
 )
 from llmkit.spec import load_spec_dict
-from tests.helpers import tiny_spec
+from tests.helpers import spawn_workers, tiny_spec
 
 WORLD = 2
 STEPS = 3
@@ -168,23 +165,7 @@ def _worker(rank: int, world: int, tmp: str) -> None:
 def ran(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The directory of the 2-process run's results (run once; fails, never hangs)."""
     tmp = tmp_path_factory.mktemp("pp")
-    saved = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the spawned workers
-    try:
-        context = mp.start_processes(
-            _worker, args=(WORLD, str(tmp)), nprocs=WORLD, join=False, start_method="spawn"
-        )
-    finally:
-        if saved is None:
-            os.environ.pop("OMP_NUM_THREADS")
-        else:
-            os.environ["OMP_NUM_THREADS"] = saved
-    deadline = time.monotonic() + 120
-    while not context.join(timeout=1):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.kill()
-            pytest.fail("the 2-process pipeline run did not finish in 120 s")
+    spawn_workers(_worker, (WORLD, str(tmp)), WORLD, "pipeline")
     return tmp
 
 
