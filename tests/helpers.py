@@ -101,3 +101,20 @@ def spawn_workers(worker: Any, args: tuple[Any, ...], world: int, what: str) -> 
             for process in context.processes:
                 process.kill()
             pytest.fail(f"the {world}-process {what} run did not finish in 120 s")
+
+
+def init_gloo(rank: int, world: int, directory: str) -> None:
+    """A spawned worker's gloo process group (one thread; a file store in ``directory``)."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{directory}/store",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=60),
+    )

@@ -8,7 +8,6 @@ full-sequence causal attention computed here in one process.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -23,7 +22,7 @@ from llmkit.parallel.context import (
     shard_indices,
     shard_sequence,
 )
-from tests.helpers import spawn_workers
+from tests.helpers import init_gloo, spawn_workers
 
 
 @dataclass(frozen=True)
@@ -86,14 +85,7 @@ def reference(case: Case, causal: bool = True) -> dict[str, torch.Tensor]:
 
 
 def _worker(rank: int, world: int, tmp: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{tmp}/store",
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(seconds=60),
-    )
+    init_gloo(rank, world, tmp)
     try:
         # every rank creates every subgroup, in the same order
         strided = [dist.new_group([i, i + 2]) for i in range(2)] if world == 4 else []

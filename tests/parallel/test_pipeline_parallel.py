@@ -14,7 +14,6 @@ from __future__ import annotations
 import itertools
 import random
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -33,7 +32,7 @@ from llmkit.parallel.pipeline import (
     stage_ranges,
 )
 from llmkit.spec import load_spec_dict
-from tests.helpers import spawn_workers, tiny_spec
+from tests.helpers import init_gloo, spawn_workers, tiny_spec
 
 WORLD = 2
 STEPS = 3
@@ -142,14 +141,7 @@ def _run_case(case: Case, rank: int, group, tmp: Path) -> None:
 
 
 def _worker(rank: int, world: int, tmp: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{tmp}/store",
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(seconds=60),
-    )
+    init_gloo(rank, world, tmp)
     try:
         alone = [dist.new_group([r]) for r in range(world)]  # every rank creates every group
         for case in CASES:
