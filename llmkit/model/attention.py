@@ -45,22 +45,50 @@ class Attention(nn.Module):
         #: and the fused projection's rows are in key/value-head groups.
         self.head_offset = 0
         self.grouped = False
+        #: Under tensor parallelism over more ranks than key/value heads: this rank's rows of
+        #: the whole (replicated) fused projection — its query heads and its group's key and
+        #: value head (:meth:`split_heads`).
+        self.shared_kv_rows: Tensor | None = None
 
-    def split_heads(self, tp: int, rank: int) -> Tensor:
+    def split_heads(self, tp: int, rank: int) -> Tensor | None:
         """Prepare for tensor parallelism over ``tp`` ranks (this one ``rank``): reorder the
         fused projection's rows into key/value-head groups (each group's query heads, its
         key head, its value head), so that a split of the rows gives each rank whole groups,
-        and keep ``n_heads / tp`` heads here. Returns the reordering (row indices)."""
+        and keep ``n_heads / tp`` heads here. Returns the reordering (row indices).
+
+        With more ranks than key/value heads (MQA, or GQA with tp > n_kv_heads) the fused
+        projection stays whole on every rank instead (None returned): each rank computes
+        its query heads and its group's key/value head from it (:attr:`shared_kv_rows`),
+        and the projection's gradient and the input's are summed over the ranks."""
         import torch
 
         from llmkit.parallel.tensor import grouped_rows
 
         H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
-        if H % tp or Hkv % tp:
+        if H % tp or (Hkv % tp and tp % Hkv):
             raise LlmkitError(
-                f"tensor parallelism over {tp} ranks needs n_heads ({H}) and n_kv_heads "
-                f"({Hkv}) to be multiples of {tp}"
+                f"tensor parallelism over {tp} ranks needs n_heads ({H}) to be a multiple of "
+                f"{tp} and n_kv_heads ({Hkv}) a multiple or a divisor of it"
             )
+        if Hkv % tp:  # more ranks than kv heads: each rank copies its group's kv head
+            if self.qk_transform is not None:
+                raise LlmkitError(
+                    f"tensor parallelism over {tp} ranks with {Hkv} key/value head(s) copies "
+                    "key heads to several ranks, which a q/k transform (QK-norm) does not "
+                    "support; use tp ≤ n_kv_heads"
+                )
+            per_rank = H // tp
+            self.head_offset = rank * per_rank
+            kv_head = self.head_offset // (H // Hkv)
+            self.shared_kv_rows = torch.cat(
+                [
+                    torch.arange(self.head_offset * D, (self.head_offset + per_rank) * D),
+                    torch.arange((H + kv_head) * D, (H + kv_head + 1) * D),
+                    torch.arange((H + Hkv + kv_head) * D, (H + Hkv + kv_head + 1) * D),
+                ]
+            )
+            self.n_heads, self.n_kv_heads = per_rank, 1
+            return None
         rows = grouped_rows(H, Hkv, D)
         with torch.no_grad():
             self.qkv.weight.copy_(self.qkv.weight[rows.to(self.qkv.weight.device)])
@@ -71,11 +99,33 @@ class Attention(nn.Module):
         self.grouped = True
         return rows
 
+    def _shared_kv_projection(self, x: Tensor) -> Tensor:
+        """This rank's rows of the whole fused projection (:meth:`split_heads`); the weight's
+        and the input's gradients are partial here (this rank's rows) and summed over the
+        tensor-parallel ranks, the copies of a key/value head included."""
+        import torch.nn.functional as F
+
+        from llmkit.parallel.experts import summed_gradient
+
+        weight = self.qkv.weight
+        group = weight.device_mesh.get_group()
+        rows = self.shared_kv_rows.to(x.device)
+        w = summed_gradient(weight.to_local(), group)[rows]
+        b = None
+        if self.qkv.bias is not None:
+            b = summed_gradient(self.qkv.bias.to_local(), group)[rows]
+        return F.linear(summed_gradient(x, group), w, b)
+
     def forward(self, x: Tensor, inputs: AttentionInputs) -> Tensor:
         """``x`` (B, T, C) → (B, T, C)."""
         B, T, _ = x.shape
         H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
-        if self.grouped:  # rows in groups: per kv head, its q heads, k, v
+        if self.shared_kv_rows is not None:
+            q, k, v = self._shared_kv_projection(x).split([H * D, D, D], dim=-1)
+            q = q.view(B, T, H, D).transpose(1, 2)
+            k = k.view(B, T, 1, D).transpose(1, 2)
+            v = v.view(B, T, 1, D).transpose(1, 2)
+        elif self.grouped:  # rows in groups: per kv head, its q heads, k, v
             per = H // Hkv
             qkv = self.qkv(x).view(B, T, Hkv, per + 2, D)
             q = qkv[:, :, :, :per].reshape(B, T, H, D).transpose(1, 2)
@@ -111,7 +161,8 @@ class Attention(nn.Module):
                 )
             y = inputs.context.attention(q, k, v, inputs.positions)
             return self.out_proj(y.transpose(1, 2).reshape(B, T, H * D))
-        if bias is not None and self.grouped:  # this rank's heads' slopes
+        split = self.grouped or self.shared_kv_rows is not None
+        if bias is not None and split:  # this rank's heads' slopes
             bias = DistanceBias(bias.slopes[self.head_offset : self.head_offset + H])
         y = self.kernel(q, k, v, causal=True, bias=bias, key_padding_mask=mask, **docs)
         y = y.transpose(1, 2).reshape(B, T, H * D)

@@ -207,11 +207,11 @@ def layout_problems(
                 f"train.parallel.tp = {layout.tp} does not divide model.n_heads = {heads} "
                 "(tensor parallelism splits the heads)"
             )
-        elif kv % layout.tp:
+        elif kv % layout.tp and layout.tp % kv:
             out.append(
-                f"train.parallel.tp = {layout.tp} does not divide model.n_kv_heads = {kv} "
-                "(each rank holds whole key/value heads; copying them to more ranks, as MQA "
-                "under tensor parallelism needs, is not supported)"
+                f"train.parallel.tp = {layout.tp} neither divides nor is a multiple of "
+                f"model.n_kv_heads = {kv} (each rank holds whole key/value heads, or copies "
+                "of one)"
             )
         if m.d_model % layout.tp:
             out.append(

@@ -222,7 +222,7 @@ def _qualified(model: nn.Module, target: nn.Module) -> str:
 def parallelize_transformer(model: nn.Module, mesh: Any) -> CanonicalOrder:
     """Split ``model`` (a Transformer) over the 1-D tensor-parallel ``mesh`` in place, every
     component by its declared plan; returns the rows reordered for checkpoints."""
-    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor import Replicate, Shard, distribute_module
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
         PrepareModuleInput,
@@ -268,11 +268,15 @@ def parallelize_transformer(model: nn.Module, mesh: Any) -> CanonicalOrder:
             )
         name = _qualified(model, attention)
         rows = attention.split_heads(tp, rank)
-        order.add(f"{name}.qkv.weight", rows)
-        if attention.qkv.bias is not None:
-            order.add(f"{name}.qkv.bias", rows)
         parallelize_module(attention, mesh, gather_attention)
-        parallelize_module(attention, mesh, {"qkv": column(), "out_proj": row()})
+        if rows is None:  # more ranks than kv heads: the fused projection whole on each
+            distribute_module(attention.qkv, mesh)
+            parallelize_module(attention, mesh, {"out_proj": row()})
+        else:
+            order.add(f"{name}.qkv.weight", rows)
+            if attention.qkv.bias is not None:
+                order.add(f"{name}.qkv.bias", rows)
+            parallelize_module(attention, mesh, {"qkv": column(), "out_proj": row()})
         ffn_plan = component_plan(ffn, f"ffn {plan.ffn.name!r} (layer {j})", tp)
         if "" not in ffn_plan:
             parallelize_module(ffn, mesh, gather)

@@ -36,6 +36,8 @@ COMBOS: list[dict[str, Any]] = [
     },
     {"block": {"name": "parallel"}, "qkv_bias": True, "attention": {"name": "flash"}},
     {"block": {"name": "sandwich"}, "attention": {"name": "sliding_window", "window": 4}},
+    {"n_kv_heads": 1, "position": {"name": "rope"}, "qkv_bias": True},  # MQA: kv head copied
+    {"n_heads": 2, "n_kv_heads": 1, "position": {"name": "alibi"}},  # one q head a rank
     {  # expert parallelism: 4 experts, 2 a rank; shared gated expert, capacity, biases
         "ffn": {
             "name": "moe",
