@@ -181,7 +181,6 @@ def _pipeline_problems(spec: Any, layout: Layout) -> list[str]:
         ),
         (getattr(t, "distill", None) is not None, "train.distill"),
         (spec.data.document_mask, "data.document_mask"),
-        (t.compile, "train.compile"),
     ]
     return [
         f"train.parallel.pp = {layout.pp} cannot be combined with {what}"

@@ -190,6 +190,10 @@ class ParallelStrategy:
 
         if self.mode == "mesh":
             mesh = self._compose(model)
+            if self.pipelined is not None and train.compile:  # the schedule calls the blocks
+                for stage in self.pipelined.modules:
+                    for block in stage.layers.values():
+                        block.compile()
             if mesh is None:  # no data-parallel ranks: nothing for FSDP to shard
                 return self.trained(model)
             self._fsdp = True

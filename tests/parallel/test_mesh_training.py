@@ -132,10 +132,11 @@ def test_a_bad_layout_is_one_line_before_any_model(references, tmp_path, setting
 def test_pipeline_parallelism_matches_one_process_and_resumes_on_one(references, tmp_path):
     """pp = 2 (1F1B, 2 micro-batches) trains the one-process curve; killed at step 11, its
     plain checkpoint files — every stage's weights and optimizer state gathered to rank 0 —
-    resume on one process exactly, and its DCP shards on FSDP ranks."""
+    resume on one process exactly, and its DCP shards on FSDP ranks. Its blocks are
+    compiled (train.compile under a pipeline compiles each stage's blocks in place)."""
     spec, b4, _ = references
     out = tmp_path / "pp"
-    pp2 = ("--set", "train.parallel.pp=2", *AC)
+    pp2 = ("--set", "train.parallel.pp=2", *AC, "--set", "train.compile=true")  # per block
     proc = run(torchrun("train", str(spec), "--out", str(out), *TRAIN, *pp2, *CKPT), **FAIL)
     _failed(proc)
     assert "distributed: mesh pp=2 (pipeline 1f1b, 2 micro-batches" in proc.stdout
@@ -144,13 +145,16 @@ def test_pipeline_parallelism_matches_one_process_and_resumes_on_one(references,
     assert_same(train, metrics(b4)[0][:10])
     copy = tmp_path / "pp-shards"
     shutil.copytree(out, copy)
-    resumed = ok(single("train", "--resume", str(out), *TRAIN, "--set", "train.parallel=auto"))
+    eager = ("--set", "train.compile=false")  # the resumes: compiling is checked above
+    resumed = ok(
+        single("train", "--resume", str(out), *TRAIN, *eager, "--set", "train.parallel=auto")
+    )
     assert "at step 8" in resumed.stdout
     assert_same(metrics(out)[0], metrics(b4)[0])
     assert_same(metrics(out)[1], metrics(b4)[1])
     # its DCP shards (every stage's, named as one process names them) reshard onto FSDP
     dp2 = ("--set", "train.parallel.pp=1", "--set", "train.parallel.dp_shard=2")
-    again = (*dp2, "--set", "train.batch_size=2")  # the same global batch: the same rows
+    again = (*dp2, *eager, "--set", "train.batch_size=2")  # the same global batch: rows
     trust = {"LLMKIT_TRUST_CHECKPOINTS": "1"}
     resumed = ok(torchrun("train", "--resume", str(copy), *TRAIN, *again), **trust)
     assert "(its dcp/ shards resharded onto dp_shard=2)" in resumed.stdout
