@@ -161,6 +161,27 @@ def test_pipeline_parallelism_matches_one_process_and_resumes_on_one(references,
     assert_same(metrics(copy)[0], metrics(b4)[0])
 
 
+def test_pipeline_stages_by_fsdp_resume_on_hsdp_by_context_parallelism(references, tmp_path):
+    """pp = 2 × dp_shard = 2 (FSDP per stage; 4 processes) killed at step 11 resumes on
+    dp_replicate = 2 × cp = 2 (HSDP over the flattened dp_shard × cp ranks) from its plain
+    files: with the same global batch, the whole run equals one process's."""
+    spec, _, b8 = references
+    out = tmp_path / "pp-fsdp"
+    first = ("--set", "train.parallel.pp=2", "--set", "train.parallel.dp_shard=2")
+    proc = run(
+        torchrun("train", str(spec), "--out", str(out), *TRAIN, *first, *CKPT, nproc=4), **FAIL
+    )
+    _failed(proc)
+    assert "distributed: mesh pp=2 × dp_shard=2 (pipeline 1f1b" in proc.stdout
+    assert_same(metrics(out)[0], metrics(b8)[0][:10])
+    second = ("--set", "train.parallel.pp=1", "--set", "train.parallel.dp_shard=1")
+    second += ("--set", "train.parallel.dp_replicate=2", "--set", "train.parallel.cp=2")
+    resumed = ok(torchrun("train", "--resume", str(out), *TRAIN, *second, nproc=4))
+    assert "(its whole weights split onto dp_replicate=2 × cp=2)" in resumed.stdout
+    assert_same(metrics(out)[0], metrics(b8)[0])
+    assert_same(metrics(out)[1], metrics(b8)[1])
+
+
 def test_a_one_process_run_resumes_on_pipeline_stages_split_by_tp(references, tmp_path):
     """The other way, composed: a one-process checkpoint (optimizer state numbered, not
     named) resumes on pp = 2 × tp = 2 under GPipe (4 processes), each stage keeping its part
