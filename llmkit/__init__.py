@@ -14,6 +14,9 @@ The public API is what ``__all__`` lists, imported as ``from llmkit import name`
 - optimizers and schedules: ``OptimizerOptions``, ``ScheduleOptions``, ``WarmupOptions``,
   ``Beta``, ``check_steps``, ``linear_warmup``, ``decay_curve`` (:mod:`llmkit.options`),
   ``param_groups_for``, ``set_initial_lr``, ``set_lr_factor`` (:mod:`llmkit.optim`);
+- tensor-parallel plans a component returns from ``tensor_parallel_plan(tp)``
+  (:mod:`llmkit.parallel`): ``tp_column``, ``tp_row``, ``tp_sequence``, ``tp_heads``,
+  ``tp_experts`` and the check ``tp_check_divides``;
 - errors: ``LlmkitError``, ``SpecError``, ``RegistryError``, ``PluginError``;
 - the registry: ``Registry``, ``get_registry``, ``reset_registry``, ``Kind``, ``Component``;
 - specs and models: ``load_spec``, ``load_spec_dict``, ``resolve``, ``ResolvedSpec``,
@@ -73,6 +76,12 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and IDEs
         ffn_hidden,
         linear_warmup,
     )
+    from llmkit.parallel.experts import expert_parallel as tp_experts
+    from llmkit.parallel.tensor import HeadShards as tp_heads
+    from llmkit.parallel.tensor import check_divides as tp_check_divides
+    from llmkit.parallel.tensor import column as tp_column
+    from llmkit.parallel.tensor import row as tp_row
+    from llmkit.parallel.tensor import sequence as tp_sequence
     from llmkit.registry import Component, Kind, Registry, get_registry, reset_registry
     from llmkit.runs import load_run
     from llmkit.spec import ResolvedSpec, load_spec, load_spec_dict, resolve
@@ -113,6 +122,12 @@ _LAZY: dict[str, str] = {
     "param_groups_for": "llmkit.optim",
     "set_initial_lr": "llmkit.optim",
     "set_lr_factor": "llmkit.optim",
+    "tp_column": "llmkit.parallel.tensor:column",
+    "tp_row": "llmkit.parallel.tensor:row",
+    "tp_sequence": "llmkit.parallel.tensor:sequence",
+    "tp_heads": "llmkit.parallel.tensor:HeadShards",
+    "tp_experts": "llmkit.parallel.experts:expert_parallel",
+    "tp_check_divides": "llmkit.parallel.tensor:check_divides",
     "LlmkitError": "llmkit.errors",
     "PluginError": "llmkit.errors",
     "RegistryError": "llmkit.errors",
@@ -192,6 +207,12 @@ __all__ = [
     "sdpa_attention",
     "set_initial_lr",
     "set_lr_factor",
+    "tp_check_divides",
+    "tp_column",
+    "tp_experts",
+    "tp_heads",
+    "tp_row",
+    "tp_sequence",
     "train",
 ]
 
