@@ -18,12 +18,12 @@ the ids; every sampler then gives targets of -100 outside the assistant's turns,
 :class:`PaddedSampler` (``data.sampling = "padded"``) gives one conversation per row.
 """
 
+from llmkit.data.chat_prepare import iter_chat_texts
 from llmkit.data.prepare import (
     SPLITS,
     PreparedData,
     count_text_bytes,
     data_key,
-    iter_chat_texts,
     iter_texts,
     prepare_data,
     tokenize_chat_split,

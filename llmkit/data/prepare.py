@@ -20,11 +20,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from llmkit.data.chat import ChatEncoder, ChatTemplateError
+from llmkit.data.chat import ChatEncoder
+from llmkit.data.chat_prepare import attach_template, iter_chat_texts, with_template_tokens
 from llmkit.data.mixture import DataPart, prepare_mixture
 from llmkit.data.samplers import padded_examples, trainable_blocks
 from llmkit.data.store import DataStore, recipe_key
-from llmkit.data.tokenizer import UNK, Tokenizer, build_tokenizer, on_terminal
+from llmkit.data.tokenizer import Tokenizer, build_tokenizer, on_terminal
 from llmkit.data.tokens import (
     FORMAT_VERSION,
     TokenFile,
@@ -171,14 +172,14 @@ def _prepare_data(
     # Only a source that can tell when its files change may share across runs.
     store = DataStore() if spec.data.shared_cache and files is not None else None
 
-    tok_spec = spec.tokenizer if chat is None else _with_tokens(spec.tokenizer, chat)
+    tok_spec = spec.tokenizer if chat is None else with_template_tokens(spec.tokenizer, chat)
     if tokenizer is None:
         tokenizer = _tokenizer(
             rs, source_options, tok_spec, chat, splits, store, files or "", run_dir, log
         )
     if chat is not None:
         grow = spec.train.init_resize_vocab  # a fine-tune that may grow its vocabulary
-        _attach_template(tokenizer, chat, run_dir, log, add_tokens=grow)
+        attach_template(tokenizer, chat, run_dir, log, add_tokens=grow)
     elif tokenizer.eos_id is None:
         log("data: the tokenizer has no special token; documents are joined without separator")
 
@@ -307,108 +308,6 @@ def _chat_tokenizer(chat: Any) -> Callable[..., TokenFile]:
         return tokenize_chat_split(ds, tokenizer, chat, path, **kw)
 
     return tokenize
-
-
-def _with_tokens(spec: TokenizerSpec, chat: Any) -> TokenizerSpec:
-    """The tokenizer spec with the chat template's special tokens after its own (the first
-    one stays the document separator)."""
-    tokens = list(dict.fromkeys([*spec.special_tokens, *chat.special_tokens]))
-    return spec.model_copy(update={"special_tokens": tokens})
-
-
-def _template_tokens(spec: TokenizerSpec, chat: Any) -> dict[str, str | None]:
-    """The template's token variables before the tokenizer exists (as
-    :meth:`Tokenizer.template_tokens` gives them after)."""
-    eos = spec.special_tokens[0] if spec.special_tokens else None
-    return {"eos_token": chat.end_of_turn or eos, "pad_token": eos}
-
-
-def iter_chat_texts(
-    ds: datasets.Dataset, seed: int, chat: Any, spec: TokenizerSpec
-) -> Iterator[str]:
-    """The conversations of ``ds`` rendered with the template, special tokens removed (the
-    tokenizer adds those itself), in a seeded shuffled order: what a tokenizer learns from."""
-    from llmkit.data.chat import render
-
-    tokens = _template_tokens(spec, chat)
-    ds = ds.select_columns(["messages", "where"]).shuffle(seed=seed, keep_in_memory=True)
-    for batch in ds.iter(batch_size=_WRITE_BATCH):
-        for conv, where in zip(batch["messages"], batch["where"]):
-            try:
-                text = render(chat.template, json.loads(conv), tokens=tokens)
-            except ChatTemplateError as exc:
-                raise ChatTemplateError(f"{where}: {exc}") from None
-            for special in spec.special_tokens:
-                text = text.replace(special, "")
-            if text:
-                yield text
-
-
-def _attach_template(
-    tokenizer: Tokenizer,
-    chat: Any,
-    run_dir: Path,
-    log: Callable[[str], None],
-    *,
-    add_tokens: bool = False,
-) -> None:
-    """Check the tokenizer has every token the template needs (with ``add_tokens``, add the
-    missing ones as special tokens to the run's copy: a fine-tune growing its vocabulary),
-    give it the template and write the run's ``tokenizer_config.json``."""
-    where = f"data.source.template {chat.name!r}"
-    missing = [t for t in chat.special_tokens if tokenizer.token_to_id(t) is None]
-    if missing and add_tokens:
-        before = tokenizer.vocab_size
-        tokenizer.tok.add_special_tokens(missing)
-        tokenizer.save(run_dir / "tokenizer.json")
-        log(
-            f"data: added the template's tokens {', '.join(missing)} to the tokenizer "
-            f"({before} -> {tokenizer.vocab_size} tokens)"
-        )
-    elif missing:
-        raise LlmkitError(
-            f"{where} needs the token {missing[0]!r}, which the tokenizer lacks (it is added "
-            "when a tokenizer is trained, or to a fine-tune's copy with "
-            "train.init_resize_vocab = true); or use template 'plain' with this tokenizer"
-        )
-    end = chat.end_of_turn
-    if end is None and tokenizer.eos_id is None:
-        raise LlmkitError(
-            f"{where} ends turns with the tokenizer's EOS, but the tokenizer has no special "
-            "token: add one to tokenizer.special_tokens or set data.source.end_of_turn"
-        )
-    if end is not None and tokenizer.token_to_id(end) is None:
-        raise LlmkitError(
-            f"data.source.end_of_turn {end!r} is not a token of the tokenizer; list it in "
-            "data.source.special_tokens"
-        )
-    tokenizer.chat_template, tokenizer.end_of_turn = chat.template, end
-    path = tokenizer.save_config(run_dir)
-    log(f"data: chat template {chat.name} -> {path}")
-    if _template_has_unknown_text(tokenizer, chat.template):
-        log(
-            f"data: warning: the tokenizer has no token for some text of template {chat.name!r} "
-            f"(it becomes {UNK}); a tokenizer trained on this data would have them"
-        )
-
-
-def _template_has_unknown_text(tokenizer: Tokenizer, template: str) -> bool:
-    """Whether the template's own text (a turn of each role, empty) holds characters a
-    char tokenizer does not know."""
-    from llmkit.data.chat import render
-    from llmkit.messages import ROLES
-
-    unk = tokenizer.token_to_id(UNK)
-    if unk is None:
-        return False
-    turns = [{"role": role, "content": ""} for role in ROLES]
-    try:
-        text = render(
-            template, turns, add_generation_prompt=True, tokens=tokenizer.template_tokens()
-        )
-    except ChatTemplateError:  # a template may refuse this made-up conversation
-        return False
-    return unk in tokenizer.encode(text)
 
 
 def _describe_rows(tf: TokenFile, split: str, block_size: int, log: Callable[[str], None]) -> None:
