@@ -189,6 +189,18 @@ def _pipeline_problems(spec: Any, layout: Layout) -> list[str]:
     ]
 
 
+def check_layout(rs: Any, layout: Layout) -> None:
+    """One line (:class:`LlmkitError`) when the resolved spec ``rs`` cannot train on
+    ``layout`` (:func:`layout_problems` with its layers' attention kernels and positional
+    schemes), before anything is allocated."""
+    kernels = [plan.attention for plan in rs.layers]
+    positions = [plan.position for plan in rs.layers]
+    problems = layout_problems(rs.spec, layout, kernels, positions)
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if problems[1:] else ""
+        raise LlmkitError(problems[0] + more)
+
+
 def layout_problems(
     spec: Any, layout: Layout, attention_kernels: list[Any] = (), positions: list[Any] = ()
 ) -> list[str]:

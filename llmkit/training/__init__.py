@@ -3,11 +3,13 @@
 Modules, each one thing:
 
 - :mod:`~llmkit.training.entry`: :func:`train`, what ``llmkit train`` calls (new or resumed);
-- :mod:`~llmkit.training.trainer`: :class:`Trainer` (set-up, the loop, evaluation, saving)
-  and :class:`TrainResult`;
+- :mod:`~llmkit.training.trainer`: :class:`Trainer` (set-up, the loop, evaluation, saving);
+- :mod:`~llmkit.training.result`: :class:`TrainResult` (how a run ended), the objective's
+  name and the validation line;
 - :mod:`~llmkit.training.step`: :class:`TrainStep`, one optimizer step — the function the
   training benchmarks time;
-- :mod:`~llmkit.training.strategy`: :class:`ParallelStrategy`, single process, DDP or FSDP;
+- :mod:`~llmkit.training.strategy`: :class:`ParallelStrategy`, single process, DDP, FSDP or
+  a device mesh; :mod:`~llmkit.training.pipelined`: a pipeline rank's stages in training;
 - :mod:`~llmkit.training.plan`: :class:`RunPlan`, a run settled before it reads data (the
   spec read and resolved once; init weights, teacher, tokenizer, vocabulary, objective);
 - :mod:`~llmkit.training.progress`: the progress bar and stop signals;
@@ -25,10 +27,11 @@ auxiliary loss or metric a component reports arrives through the model output's 
 from llmkit.training import distributed
 from llmkit.training.entry import train
 from llmkit.training.plan import RunPlan, plan_run
+from llmkit.training.result import NonFiniteLoss, TrainResult
 from llmkit.training.sample import sample_text
 from llmkit.training.step import StepResult, TrainStep
 from llmkit.training.strategy import ParallelStrategy
-from llmkit.training.trainer import NonFiniteLoss, Trainer, TrainResult
+from llmkit.training.trainer import Trainer
 
 __all__ = [
     "NonFiniteLoss",

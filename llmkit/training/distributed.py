@@ -295,6 +295,13 @@ def optimizer_state_by_index(saved: dict[str, Any]) -> dict[str, Any]:
     return {"state": state, "param_groups": groups}
 
 
+def optimizer_order(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
+    """The names of ``optimizer``'s parameters in the order its state numbers them (group by
+    group; a tied parameter under its first name in ``model``)."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    return [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+
+
 def optimizer_state_by_name(
     saved: dict[str, Any],
     model: nn.Module,
@@ -307,8 +314,7 @@ def optimizer_state_by_name(
     the same model numbers them alike), or given as ``order`` (an optimizer of part of the
     model: the whole model's order)."""
     if order is None:
-        names = {id(p): n for n, p in model.named_parameters()}  # a tied one: its first name
-        order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+        order = optimizer_order(model, optimizer)
     state = {order[i]: v for i, v in saved["state"].items()}
     groups, index = [], 0
     for group in saved["param_groups"]:

@@ -7,8 +7,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from llmkit.training.plan import log_notes, plan_run
+from llmkit.training.result import TrainResult
 from llmkit.training.strategy import ParallelStrategy
-from llmkit.training.trainer import Trainer, TrainResult
+from llmkit.training.trainer import Trainer
 
 
 def train(

@@ -9,7 +9,6 @@ import os
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +18,7 @@ from torch import nn
 from llmkit import hardware
 from llmkit.data.store import PEAKS_FILE, store_root
 from llmkit.errors import LlmkitError
-from llmkit.model.objective import LOSS_SECTION
+from llmkit.parallel.layout import check_layout
 from llmkit.runs import (
     PLOT_FILE,
     TOKENIZER_FILE,
@@ -31,73 +30,17 @@ from llmkit.runs import metrics as metrics_mod
 from llmkit.runs.checkpoints import Checkpoints, rng_state, save_weights
 from llmkit.runs.lock import RunInUse, RunLock
 from llmkit.runs.metrics import RunLog
-from llmkit.spec import ResolvedSpec
 from llmkit.training import batches
+from llmkit.training.distributed import optimizer_order
 from llmkit.training.plan import RunPlan
 from llmkit.training.progress import ProgressDisplay, StopSignals
+from llmkit.training.result import NonFiniteLoss, TrainResult, objective_name, val_line
 from llmkit.training.step import StepResult, TrainStep, resolve_precision
 from llmkit.training.strategy import ParallelStrategy
 
 #: The most steps whose outcome the host leaves unread (they are read at the next logged,
 #: evaluated or checkpointed step, or after this many).
 MAX_PENDING = 100
-
-
-class NonFiniteLoss(LlmkitError):
-    """The loss or gradient became NaN/inf."""
-
-
-#: The name of the model's own cross-entropy as an objective.
-CROSS_ENTROPY = "cross_entropy"
-
-
-def objective_name(rs: ResolvedSpec) -> str:
-    """What a run minimizes, in a word: ``cross_entropy`` (no ``train.loss``), the
-    ``train.loss`` component's name, ``distill`` (``train.distill`` over the
-    cross-entropy) or ``distill(<that name>)``."""
-    loss = rs.components.get(LOSS_SECTION)
-    base = loss.name if loss is not None else CROSS_ENTROPY
-    if rs.spec.train.distill is not None:
-        return "distill" if loss is None else f"distill({base})"
-    return base
-
-
-@dataclass
-class TrainResult:
-    """How a run ended. On rank 0, ``model`` is the trained model in memory (the weights just
-    saved as ``model.safetensors``; under FSDP a gathered CPU copy) with its ``tokenizer``
-    and resolved ``spec``, so the end-of-training sample needs no reload; None elsewhere.
-
-    ``val_ce`` is the last evaluation's cross-entropy (what compares across objectives;
-    ``val_ppl`` is its exponential); ``val_loss`` and ``best_val_loss`` are the objective
-    (``objective`` names it), which the best checkpoint, early stopping and ``on_eval``
-    follow; both are the same number when the objective is the cross-entropy. ``tokens``
-    counts the tokens fed to the model, ``trained_tokens`` the targets trained on (not
-    -100: padding and masked prompts excluded)."""
-
-    run_dir: Path
-    step: int
-    tokens: int
-    seconds: float
-    stopped: str
-    val_loss: float | None = None
-    best_val_loss: float | None = None
-    history: list[dict[str, Any]] = field(default_factory=list)
-    rank: int = 0
-    world_size: int = 1
-    model: nn.Module | None = None
-    tokenizer: Any = None
-    spec: ResolvedSpec | None = None
-    val_ce: float | None = None
-    objective: str = CROSS_ENTROPY
-    trained_tokens: int | None = None
-    #: A chat run's first validation conversation up to its first trained token (its
-    #: system and user turns and the assistant's generation prompt), for the sample.
-    chat_prompt: list[int] | None = None
-
-    @property
-    def val_ppl(self) -> float | None:
-        return None if self.val_ce is None else math.exp(min(self.val_ce, 80.0))
 
 
 class Trainer:
@@ -140,7 +83,7 @@ class Trainer:
         if self.strategy is None:
             self.strategy = ParallelStrategy.setup(t.parallel, t.device, t.dist_timeout)
         strategy = self.strategy
-        self._check_layout()  # before any model or data
+        check_layout(self.plan.rs, strategy.layout)  # before any model or data
         self.log = strategy.quiet_unless_main(self.log)  # rank 0 logs, plots, shows progress
         if not strategy.is_main:
             self.progress = False
@@ -197,12 +140,8 @@ class Trainer:
         self.model.activation_checkpointing = t.activation_checkpointing
         opt = self.rs.optimizer
         if strategy.layout.pp > 1:  # how one process numbers the optimizer's parameters
-            names = {id(p): n for n, p in self.model.named_parameters()}
-            whole = opt.build(self.model, opt.options)
-            strategy.optimizer_order = [
-                names[id(p)] for g in whole.param_groups for p in g["params"]
-            ]
-            del whole
+            whole = opt.build(self.model, opt.options)  # (no state yet: nothing allocated)
+            strategy.optimizer_order = optimizer_order(self.model, whole)
         wrapped = strategy.wrap(self.model, t, self.precision)
         line = strategy.describe(t.batch_size, t.grad_accum)
         if line:
@@ -243,21 +182,6 @@ class Trainer:
             self._restore()  # last: it sets the RNG state
             if plan.edited and strategy.is_main:
                 plan.save()  # the edited recipe is the run's from now on
-
-    def _check_layout(self) -> None:
-        """One line for a mesh layout this spec cannot train on (tensor parallelism not
-        dividing the heads, more stages than layers, ...), before anything is allocated."""
-        from llmkit.parallel.layout import layout_problems
-
-        rs = self.plan.rs
-        kernels = [plan.attention for plan in rs.layers]
-        positions = [plan.position for plan in rs.layers]
-        layout = self.strategy.layout
-        problems = layout_problems(rs.spec, layout, kernels, positions)
-        if problems:
-            raise LlmkitError(
-                problems[0] + (f" (and {len(problems) - 1} more)" if problems[1:] else "")
-            )
 
     def _lock_run(self) -> None:
         """Hold ``<run>/.lock`` for the whole training (rank 0 for the job: every rank shares
@@ -615,7 +539,8 @@ class Trainer:
                 strategy.pipelined.evaluate(padding)
                 local = strategy.pipelined.evaluate(counted)
             total, count = strategy.sum(list(local))
-            return total / max(count, 1), total / max(count, 1)
+            ce = total / max(count, 1)  # the objective is the cross-entropy under pp
+            return ce, ce
         if padding:
             evaluate_batches(self.model, padding, self.device, amp, self.objective)
         res = evaluate_batches(self.model, counted, self.device, amp, self.objective)
@@ -703,12 +628,3 @@ class Trainer:
             if self.t.plot:
                 metrics_mod.plot_losses(history, self.run_dir / PLOT_FILE, self.rs.spec.name or "")
         return model
-
-
-def val_line(ce: float, loss: float, objective: str) -> str:
-    """``val ce 4.1234 (ppl 61.76)``, and ``, objective distill 3.3200`` beside it when the
-    objective is not the cross-entropy: the number that compares across runs first."""
-    line = f"val ce {ce:.4f} (ppl {math.exp(min(ce, 80.0)):.2f})"
-    if objective != CROSS_ENTROPY:
-        line += f", objective {objective} {loss:.4f}"
-    return line
