@@ -48,7 +48,8 @@ class Attention(nn.Module):
         #: Under tensor parallelism over more ranks than key/value heads: this rank's rows of
         #: the whole (replicated) fused projection — its query heads and its group's key and
         #: value head (:meth:`split_heads`).
-        self.shared_kv_rows: Tensor | None = None
+        self.shared_kv_rows: Tensor | None
+        self.register_buffer("shared_kv_rows", None, persistent=False)  # moves with the model
 
     def split_heads(self, tp: int, rank: int) -> Tensor | None:
         """Prepare for tensor parallelism over ``tp`` ranks (this one ``rank``): reorder the
@@ -86,7 +87,7 @@ class Attention(nn.Module):
                     torch.arange((H + kv_head) * D, (H + kv_head + 1) * D),
                     torch.arange((H + Hkv + kv_head) * D, (H + Hkv + kv_head + 1) * D),
                 ]
-            )
+            ).to(self.qkv.weight.device)
             self.n_heads, self.n_kv_heads = per_rank, 1
             return None
         rows = grouped_rows(H, Hkv, D)
@@ -105,16 +106,12 @@ class Attention(nn.Module):
         tensor-parallel ranks, the copies of a key/value head included."""
         import torch.nn.functional as F
 
-        from llmkit.parallel.experts import summed_gradient
+        from llmkit.parallel.experts import local_part, summed_gradient
 
-        weight = self.qkv.weight
-        group = weight.device_mesh.get_group()
-        rows = self.shared_kv_rows.to(x.device)
-        w = summed_gradient(weight.to_local(), group)[rows]
-        b = None
-        if self.qkv.bias is not None:
-            b = summed_gradient(self.qkv.bias.to_local(), group)[rows]
-        return F.linear(summed_gradient(x, group), w, b)
+        rows = self.shared_kv_rows
+        weight, mesh = local_part(self.qkv.weight)  # whole, its gradient summed over ranks
+        b = None if self.qkv.bias is None else local_part(self.qkv.bias)[0][rows]
+        return F.linear(summed_gradient(x, mesh.get_group()), weight[rows], b)
 
     def forward(self, x: Tensor, inputs: AttentionInputs) -> Tensor:
         """``x`` (B, T, C) → (B, T, C)."""

@@ -47,10 +47,6 @@ class RankStages(nn.Module):
         raise LlmkitError("a pipeline rank's stages run through the pipeline schedule")
 
 
-def _in_model_order(names: list[str], order: dict[str, int]) -> list[str]:
-    return sorted(names, key=lambda n: order.get(n, len(order)))
-
-
 def merge_optimizer_states(
     states: Sequence[dict[str, Any]], model_order: dict[str, int]
 ) -> dict[str, Any]:
@@ -68,7 +64,7 @@ def merge_optimizer_states(
             else:
                 groups[key] = {**group, "params": list(group["params"])}
     for group in groups.values():  # groups in order of first appearance (decay, no_decay)
-        group["params"] = _in_model_order(group["params"], model_order)
+        group["params"].sort(key=lambda n: model_order.get(n, len(model_order)))
     return {"state": state, "param_groups": list(groups.values())}
 
 
@@ -76,9 +72,9 @@ class PipelinedTraining:
     """The pipeline of one rank: its stages, the schedule, and the module of its parameters.
 
     ``stages`` are this rank's torch ``PipelineStage`` s (:func:`build_stages`); ``model`` the
-    whole model's shell (for the parameter order of checkpoints); ``pp_group`` the pipeline's
-    process group; ``is_writer`` whether this rank speaks for its stage when the stages'
-    weights are gathered (data-parallel index 0)."""
+    whole model's shell (for the parameter order of checkpoints); ``is_writer`` whether
+    this rank speaks for its stage when the stages' weights are gathered (data-parallel,
+    tensor- and context-parallel index 0)."""
 
     def __init__(
         self,
@@ -87,7 +83,6 @@ class PipelinedTraining:
         *,
         schedule: str,
         microbatches: int,
-        pp_group: Any,
         is_writer: bool,
     ) -> None:
         from llmkit.parallel.pipeline import Pipeline
@@ -106,13 +101,8 @@ class PipelinedTraining:
         self.model_order = {n: i for i, (n, _) in enumerate(model.named_parameters())}
         self.pipeline = Pipeline(self.stages, schedule, microbatches, loss_fn=self._loss)
         self.microbatches = microbatches
-        self.pp_group = pp_group
         self.is_writer = is_writer
         self._scale: Tensor | float = 1.0
-
-    @property
-    def is_last(self) -> bool:
-        return self.pipeline.is_last
 
     def _loss(self, logits: Tensor, targets: Tensor) -> Tensor:
         """A micro-batch's summed cross-entropy times the current scale (times the number
@@ -143,8 +133,7 @@ class PipelinedTraining:
         """The summed cross-entropy and the number of trained targets of ``batches`` on the
         last stage's ranks (0 and 0 elsewhere); every rank of the pipeline runs them."""
         total, count = 0.0, 0
-        for module in self.modules:
-            module.eval()
+        self.pipeline.train(False)
         try:
             for x, y in batches:
                 out = self.pipeline.evaluate(x, y)
@@ -152,8 +141,7 @@ class PipelinedTraining:
                     total += float(out)
                     count += int((y != -100).sum())
         finally:
-            for module in self.modules:
-                module.train()
+            self.pipeline.train(True)
         return total, count
 
     # -- checkpoints ---------------------------------------------------------------------------

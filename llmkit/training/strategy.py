@@ -238,21 +238,19 @@ class ParallelStrategy:
             from llmkit.parallel.pipeline import build_stages
             from llmkit.training.pipelined import PipelinedTraining
 
-            group = place.sub("pp").get_group()
             stages = build_stages(
                 model,
                 pp_rank=place.pp_rank,
                 pp_size=self.layout.pp,
                 stages_per_rank=self.layout.stages_per_rank,
                 device=self.device,
-                group=group,
+                group=place.sub("pp").get_group(),
             )
             self.pipelined = PipelinedTraining(
                 stages,
                 model,
                 schedule=self.layout.schedule,
                 microbatches=self.layout.microbatches,
-                pp_group=group,
                 is_writer=place.data_rank == 0 and place.tp_rank == 0 and place.cp_rank == 0,
             )
         return place.fsdp_mesh()
@@ -345,11 +343,11 @@ class ParallelStrategy:
         rank its RNG state when distributed, and under FSDP every rank its model and
         optimizer shards (resharding on load, for a job that opts in to reading them)."""
         model = self.trained(model)
-        if self.pipelined is not None:  # every stage's state to rank 0
-            full = self.pipelined.full_optimizer_state(optimizer) or {}
-        elif self.sharded:
-            full = distributed.full_optimizer_state(model, optimizer)  # collective
-        if self.sharded:
+        if self.sharded:  # collective: gathered (a pipeline: every stage's) to rank 0
+            if self.pipelined is not None:
+                full = self.pipelined.full_optimizer_state(optimizer) or {}
+            else:
+                full = distributed.full_optimizer_state(model, optimizer)
             if self.is_main:
                 full = self.order.optimizer_to(full, self.order.to_canonical)
                 state = {**state, "optimizer": full, "optimizer_keys": "names"}
