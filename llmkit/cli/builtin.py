@@ -25,6 +25,7 @@ from llmkit.cli import (
     plugin,
     scaling,
     search,
+    serve,
     sweep,
     train,
 )
@@ -47,6 +48,7 @@ MODULES = (
     harness,
     generate,
     bench,
+    serve,
 )
 
 

@@ -164,6 +164,55 @@ class LayerCache:
         if self.mask is not None:
             self.mask = self.mask.index_select(0, index)
 
+    @property
+    def rows(self) -> int:
+        return 0 if self.k is None else self.k.shape[0]
+
+    def trim(self) -> None:
+        """Forget the leading kept columns that are padding in every row (rows that left a
+        continuous batch held them): later steps read fewer keys."""
+        if self.mask is None or self.length == 0:
+            return
+        live = self.mask[:, self.start : self.end].any(0)
+        self.start += int(live.numel()) if not bool(live.any()) else int(live.int().argmax())
+
+    @classmethod
+    def concatenate(cls, parts: list[LayerCache]) -> LayerCache:
+        """One layer cache holding the rows of ``parts`` (each non-empty, one kind of layer)
+        in order, their kept keys right-aligned: a shorter part is left-padded (masked)."""
+        first = parts[0]
+        if any(p.k is None or p.v is None for p in parts):
+            raise ValueError("only caches that hold keys can be concatenated")
+        n = max(p.length for p in parts)
+        out = cls(first.window, first.capacity_hint)
+        like = first.k
+        assert like is not None
+        capacity = out._initial_capacity(n) if first.window is not None else n
+        if first.window is None:
+            capacity = max(capacity, max(p.capacity for p in parts), 16)
+        _, h, _, d = like.shape
+        rows = sum(p.rows for p in parts)
+        # zeros, not empty memory: a masked key's value is multiplied by a zero weight, and
+        # NaN garbage would survive that
+        k = like.new_zeros((rows, h, capacity, d))
+        v = like.new_zeros((rows, h, capacity, d))
+        ragged = any(p.mask is not None or p.length != n for p in parts)
+        mask = torch.zeros(rows, capacity, dtype=torch.bool, device=like.device) if ragged else None
+        r = 0
+        for p in parts:
+            assert p.k is not None and p.v is not None
+            b, length = p.rows, p.length
+            k[r : r + b, :, n - length : n] = p.k[:, :, p.start : p.end]
+            v[r : r + b, :, n - length : n] = p.v[:, :, p.start : p.end]
+            if mask is not None:
+                if p.mask is None:
+                    mask[r : r + b, n - length : n] = True
+                else:
+                    mask[r : r + b, n - length : n] = p.mask[:, p.start : p.end]
+            r += b
+        out.k, out.v, out.mask, out.start, out.end = k, v, mask, 0, n
+        return out
+
     def nbytes(self) -> int:
         """Bytes of the allocated buffers."""
         total = 0
@@ -202,6 +251,43 @@ class KVCache:
             layer.reorder(index)
         if self.seen is not None:
             self.seen = self.seen.index_select(0, index)
+
+    @property
+    def rows(self) -> int:
+        """Batch rows held (0 before the first update)."""
+        return self.layers[0].rows if self.layers else 0
+
+    def row_positions(self) -> Tensor:
+        """(rows,) the position of each row's next token."""
+        if self.seen is not None:
+            return self.seen
+        device = self.layers[0].k.device if self.layers and self.layers[0].k is not None else None
+        return torch.full((self.rows,), self.position, dtype=torch.long, device=device)
+
+    def select(self, index: Tensor) -> None:
+        """Keep rows ``index`` and forget the leading columns left holding only padding
+        (a continuous batch after some rows finished)."""
+        self.reorder(index)
+        for layer in self.layers:
+            layer.trim()
+
+    @classmethod
+    def concatenate(cls, caches: list[KVCache]) -> KVCache:
+        """The rows of ``caches`` (of one model, each fed at least one token) as one cache:
+        each row keeps its own positions, shorter contexts are left-padded and masked, so
+        one batched step continues every row as if it were alone (continuous batching)."""
+        if not caches:
+            raise ValueError("nothing to concatenate")
+        if len({len(c.layers) for c in caches}) != 1:
+            raise ValueError("caches of different models cannot be concatenated")
+        out = cls.__new__(cls)
+        out.layers = [
+            LayerCache.concatenate([c.layers[j] for c in caches])
+            for j in range(len(caches[0].layers))
+        ]
+        out.position = max(c.position for c in caches)
+        out.seen = torch.cat([c.row_positions() for c in caches])
+        return out
 
     def nbytes(self) -> int:
         return sum(c.nbytes() for c in self.layers)
