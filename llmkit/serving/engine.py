@@ -234,12 +234,14 @@ class Engine:
         only when its choices fit in the batch (no request overtakes an earlier one)."""
         budget = self.prefill_tokens
         ready: list[_Prefill] = []
+        reserved = self._reserved()
         for pf in list(self._waiting):
             if budget <= 0:
                 break
             if not pf.started:
-                if self._reserved() + pf.request.n > self.max_batch:
+                if reserved + pf.request.n > self.max_batch:
                     break
+                reserved += pf.request.n
                 pf.started = True
                 pf.cache = self.model.new_cache()
             prompt = pf.request.prompt
