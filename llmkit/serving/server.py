@@ -55,10 +55,19 @@ def serve_forever(
 ) -> None:
     """Serve on ``sock`` until SIGTERM or SIGINT; then stop accepting, let the requests in
     flight finish, stop the engine."""
+    import signal
+
     import uvicorn
 
     server = uvicorn.Server(_config(engine, model_name, max_concurrent))
-    server.run(sockets=[sock])
+    # uvicorn drains on SIGTERM, then raises the signal again under the handler that was
+    # there before it: a no-op here, so a drained server exits 0 (Ctrl-C still ends as a
+    # KeyboardInterrupt, 130)
+    before = signal.signal(signal.SIGTERM, lambda sig, frame: None)
+    try:
+        server.run(sockets=[sock])
+    finally:
+        signal.signal(signal.SIGTERM, before)
 
 
 class ServerThread:

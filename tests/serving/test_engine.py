@@ -172,11 +172,13 @@ def test_seeded_choices_draw_their_own_streams(lm, tok) -> None:
     other = _submit(engine, tok, "lazy", temperature=1.0, ignore_eos=True, max_tokens=15)
     _drain(engine)
     gen = Generator(lm, tok)
-    ref = gen.generate("the quick", temperature=0.9, top_k=5, seed=7, max_new_tokens=15,
-                       ignore_eos=True)[0]
+    ref = gen.generate(
+        "the quick", temperature=0.9, top_k=5, seed=7, max_new_tokens=15, ignore_eos=True
+    )[0]
     assert both.ids(0) == ref.ids  # choice 0 of seed s draws what llmkit generate draws
-    ref2 = gen.generate("the quick", temperature=0.9, top_k=5, seed=8, max_new_tokens=15,
-                        ignore_eos=True)[0]
+    ref2 = gen.generate(
+        "the quick", temperature=0.9, top_k=5, seed=8, max_new_tokens=15, ignore_eos=True
+    )[0]
     assert both.ids(1) == ref2.ids  # choice i: seed s + i
     assert len({tuple(both.ids(i)) for i in range(3)}) > 1
     assert len(other.ids()) == 15
@@ -190,16 +192,24 @@ def test_stop_strings_and_stop_ids_end_a_choice(lm, tok) -> None:
     stop = text[3:5]
     cut = _submit(engine, tok, "the quick", temperature=0, stop=(stop,), max_tokens=12)
     third = free.ids()[2]
-    by_id = _submit(engine, tok, "the quick", temperature=0, max_tokens=12,
-                    stop_ids=frozenset({third}))
+    by_id = _submit(
+        engine, tok, "the quick", temperature=0, max_tokens=12, stop_ids=frozenset({third})
+    )
     _drain(engine)
     assert cut.reason() == "stop" and cut.text() == text[: text.index(stop)]
     assert by_id.reason() == "stop" and by_id.ids() == free.ids()[:3]
     assert stop not in cut.text()
     # a stop id is not text; ignore_eos decodes past it
     assert by_id.text() == tok.decode(free.ids()[:2])
-    past = _submit(engine, tok, "the quick", temperature=0, max_tokens=12, ignore_eos=True,
-                   stop_ids=frozenset({third}))
+    past = _submit(
+        engine,
+        tok,
+        "the quick",
+        temperature=0,
+        max_tokens=12,
+        ignore_eos=True,
+        stop_ids=frozenset({third}),
+    )
     _drain(engine)
     assert past.ids() == free.ids()
 
@@ -207,8 +217,16 @@ def test_stop_strings_and_stop_ids_end_a_choice(lm, tok) -> None:
 def test_logprobs_are_the_models_and_echo_scores_the_prompt(lm, tok) -> None:
     engine = Engine(lm, tok, prefill_tokens=4)  # the prompt's scores cross chunks
     prompt = "a fox jumps over"
-    sink = _submit(engine, tok, prompt, temperature=0, ignore_eos=True, max_tokens=5,
-                   logprobs=3, prompt_logprobs=True)
+    sink = _submit(
+        engine,
+        tok,
+        prompt,
+        temperature=0,
+        ignore_eos=True,
+        max_tokens=5,
+        logprobs=3,
+        prompt_logprobs=True,
+    )
     _drain(engine)
     ids = tok.encode(prompt) + sink.ids()
     with torch.no_grad():
@@ -232,12 +250,33 @@ def test_logprobs_are_the_models_and_echo_scores_the_prompt(lm, tok) -> None:
 def test_logit_bias_and_penalties_steer_the_choice(lm, tok) -> None:
     engine = Engine(lm, tok)
     target = tok.encode("z")[0]
-    biased = _submit(engine, tok, "the quick", temperature=0, ignore_eos=True, max_tokens=6,
-                     logit_bias=((target, 100.0),))
-    rep = _submit(engine, tok, "the quick", temperature=0, ignore_eos=True, max_tokens=12,
-                  repetition_penalty=1.5)
-    freq = _submit(engine, tok, "the quick", temperature=0, ignore_eos=True, max_tokens=12,
-                   frequency_penalty=2.0)
+    biased = _submit(
+        engine,
+        tok,
+        "the quick",
+        temperature=0,
+        ignore_eos=True,
+        max_tokens=6,
+        logit_bias=((target, 100.0),),
+    )
+    rep = _submit(
+        engine,
+        tok,
+        "the quick",
+        temperature=0,
+        ignore_eos=True,
+        max_tokens=12,
+        repetition_penalty=1.5,
+    )
+    freq = _submit(
+        engine,
+        tok,
+        "the quick",
+        temperature=0,
+        ignore_eos=True,
+        max_tokens=12,
+        frequency_penalty=2.0,
+    )
     _drain(engine)
     assert biased.ids() == [target] * 6
     assert rep.ids() == _greedy(lm, tok, "the quick", ignore_eos=True, repetition_penalty=1.5)
