@@ -48,7 +48,7 @@ def test_rows_prefilled_apart_decode_together_as_alone(model) -> None:
         nxt = lm(torch.tensor([[5], [6]]), cache=batch).logits[:, -1]
         for i, (p, f, t) in enumerate(zip(PROMPTS[:2], firsts, [5, 6])):
             cache = lm.new_cache()
-            lm(torch.tensor([p + [f]]), cache=cache)
+            lm(torch.tensor([[*p, f]]), cache=cache)
             ref = lm(torch.tensor([[t]]), cache=cache).logits[0, -1]
             torch.testing.assert_close(nxt[i], ref, atol=1e-5, rtol=1e-5)
 
