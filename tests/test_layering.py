@@ -43,8 +43,9 @@ LAYERS: list[tuple[str, ...]] = [
     # HF interop) and the plugin authors' tools; then evaluation (perplexity, downstream
     # tasks), which the trainer's validation uses; then training, which samples as it goes;
     # then what measures and compares trainings (benchmarks, experiments); the CLI last.
+    # Serving (the OpenAI API over the generation engine) loads runs and HF directories.
     ("inference", "interop", "testing", "scaffold"),
-    ("evaluation",),
+    ("evaluation", "serving"),
     ("training",),
     ("bench", "experiments"),
     ("cli",),

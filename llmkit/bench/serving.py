@@ -35,11 +35,12 @@ from llmkit.errors import LlmkitError
 
 
 def _corpus_text(limit: int = 2_000_000) -> str:
-    from llmkit.components.dataset.python_stdlib import PythonStdlib
+    """About ``limit`` characters of the standard library's top-level modules."""
+    import sysconfig
 
     parts: list[str] = []
     total = 0
-    for _, path in PythonStdlib().files():
+    for path in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
         try:
             text = path.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError):
@@ -219,38 +220,3 @@ def bench_serve(
         "latency_p50_s": float(np.percentile(latency, 50)),
         "peak_batch": engine.peak_rows,
     }
-
-
-def print_report(r: dict[str, Any]) -> None:
-    """The figures as ``llmkit bench serve`` prints them."""
-    from llmkit.cli.common import console, table
-
-    con = console()
-    con.print(
-        f"{r['model']}: {r['params']:,} parameters on {r['device']} ({r['threads']} threads, "
-        f"{r['dtype']}); {r['requests']} requests of {r['prompt_len']} prompt tokens → "
-        f"{r['max_tokens']} tokens, {r['concurrency']} at a time, batch ≤ {r['max_batch']} "
-        f"(peak {r['peak_batch']})",
-        markup=False,
-    )
-    out = table("", "tok/s", "TTFT p50", "TTFT p99", "per-token p50", "per-token p99")
-    out.add_row(
-        "server",
-        f"{r['tokens_per_s']:,.1f}",
-        f"{r['ttft_p50_s'] * 1000:,.0f} ms",
-        f"{r['ttft_p99_s'] * 1000:,.0f} ms",
-        f"{r['itl_p50_s'] * 1000:,.1f} ms",
-        f"{r['itl_p99_s'] * 1000:,.1f} ms",
-    )
-    if r["sequential_tokens_per_s"]:
-        out.add_row(
-            f"sequential ({r['sequential_requests']})",
-            f"{r['sequential_tokens_per_s']:,.1f}",
-            "",
-            "",
-            "",
-            "",
-        )
-    con.print(out)
-    if r["speedup"]:
-        con.print(f"speedup over sequential generation: {r['speedup']:.2f}×", markup=False)

@@ -9,7 +9,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from llmkit.cli.common import QUANTIZE, WEIGHTS, at_least
+from llmkit.cli.common import QUANTIZE, WEIGHTS, at_least, console, table
 from llmkit.errors import LlmkitError
 
 #: ``--dtype`` choices: the weights as loaded, or a ``--quantize`` method of generate.
@@ -138,7 +138,7 @@ def configure_bench_serve(p: argparse.ArgumentParser) -> None:
 def run_bench_serve(args: argparse.Namespace) -> int:
     import json
 
-    from llmkit.bench.serving import bench_serve, print_report
+    from llmkit.bench.serving import bench_serve
 
     report = bench_serve(
         args.run,
@@ -161,3 +161,36 @@ def run_bench_serve(args: argparse.Namespace) -> int:
     else:
         print_report(report)
     return 0
+
+
+def print_report(r: dict[str, Any]) -> None:
+    """The figures as ``llmkit bench serve`` prints them."""
+    con = console()
+    con.print(
+        f"{r['model']}: {r['params']:,} parameters on {r['device']} ({r['threads']} threads, "
+        f"{r['dtype']}); {r['requests']} requests of {r['prompt_len']} prompt tokens → "
+        f"{r['max_tokens']} tokens, {r['concurrency']} at a time, batch ≤ {r['max_batch']} "
+        f"(peak {r['peak_batch']})",
+        markup=False,
+    )
+    out = table("", "tok/s", "TTFT p50", "TTFT p99", "per-token p50", "per-token p99")
+    out.add_row(
+        "server",
+        f"{r['tokens_per_s']:,.1f}",
+        f"{r['ttft_p50_s'] * 1000:,.0f} ms",
+        f"{r['ttft_p99_s'] * 1000:,.0f} ms",
+        f"{r['itl_p50_s'] * 1000:,.1f} ms",
+        f"{r['itl_p99_s'] * 1000:,.1f} ms",
+    )
+    if r["sequential_tokens_per_s"]:
+        out.add_row(
+            f"sequential ({r['sequential_requests']})",
+            f"{r['sequential_tokens_per_s']:,.1f}",
+            "",
+            "",
+            "",
+            "",
+        )
+    con.print(out)
+    if r["speedup"]:
+        con.print(f"speedup over sequential generation: {r['speedup']:.2f}×", markup=False)
