@@ -54,9 +54,9 @@ def _corpus_text(limit: int = 2_000_000) -> str:
 
 def _load(
     source: str | Path, weights: str, device: torch.device, dtype: str
-) -> tuple[Any, Any, str]:
-    """(model, tokenizer, name): a run's, or a spec file's shape with random weights and a
-    tokenizer trained on the standard library."""
+) -> tuple[Any, Any, str, int]:
+    """(model, tokenizer, name, parameters): a run's, or a spec file's shape with random
+    weights and a tokenizer trained on the standard library."""
     path = Path(source)
     if path.is_file():
         from llmkit.data.tokenizer import train_bpe
@@ -66,16 +66,17 @@ def _load(
         rs = load_spec(path, [])
         torch.manual_seed(0)
         model = build_model(rs).to(device).eval()
+        params = sum(p.numel() for p in model.parameters())
         if dtype and dtype != "float32":
             from llmkit.inference.quantize import quantize_model
 
             model = quantize_model(model, dtype)
         tok = train_bpe([_corpus_text()], rs.spec.model.vocab_size, show_progress=False)
-        return model, tok, rs.spec.name or path.stem
+        return model, tok, rs.spec.name or path.stem, params
     from llmkit.serving.loading import load_served
 
     served = load_served(path, weights=weights, device=device, dtype=dtype)
-    return served.model, served.tokenizer, served.name
+    return served.model, served.tokenizer, served.name, served.params
 
 
 def _prompts(tokenizer: Any, count: int, length: int, vocab: int) -> list[list[int]]:
@@ -174,7 +175,7 @@ def bench_serve(
     dev = hardware.choose_device(device)
     if threads:
         torch.set_num_threads(threads)
-    model, tokenizer, name = _load(source, weights, dev, dtype)
+    model, tokenizer, name, params = _load(source, weights, dev, dtype)
     limit = model.config.max_seq_len
     if prompt_len + max_tokens > limit:
         raise LlmkitError(
@@ -198,7 +199,7 @@ def bench_serve(
     info = getattr(model, "quantization", None)
     return {
         "model": name,
-        "params": sum(p.numel() for p in model.parameters()),
+        "params": params,
         "device": str(dev),
         "threads": torch.get_num_threads(),
         "dtype": info.method if info is not None else dtype,

@@ -20,6 +20,7 @@ class Served:
     model: Any
     tokenizer: Any
     name: str
+    params: int = 0  # parameters before any conversion (int8 layers hold theirs as buffers)
 
 
 def is_hf_dir(path: Path) -> bool:
@@ -60,6 +61,7 @@ def load_served(
     except ValueError as exc:
         raise LlmkitError(str(exc)) from exc
     model = run.model
+    params = sum(p.numel() for p in model.parameters())
     if dtype and dtype != "float32":
         from llmkit.inference.quantize import quantize_model
 
@@ -68,4 +70,4 @@ def load_served(
         except ValueError as exc:
             raise LlmkitError(str(exc)) from exc
     name = path.name if is_hf_dir(path) else Path(run.run_dir).name
-    return Served(model.eval(), run.tokenizer, name)
+    return Served(model.eval(), run.tokenizer, name, params)
