@@ -4,6 +4,7 @@ engine's events, and the API's error schema."""
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from typing import Any, Literal
@@ -11,6 +12,13 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from llmkit.serving.sequences import MAX_LOGPROBS, Token
+
+log = logging.getLogger("llmkit.serving")
+
+#: Bounds on what one request may ask for, beyond the body's size: each generated token is
+#: checked against every stop string (the OpenAI API takes 4), and each biased token is
+#: added to every step's logits (the OpenAI API takes 300).
+MAX_STOPS, MAX_STOP_CHARS, MAX_BIASED = 16, 256, 1024
 
 
 class ApiError(Exception):
@@ -62,19 +70,25 @@ class _Common(BaseModel):
     n: int = Field(default=1, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
+    stop: str | list[str] | None = Field(default=None, max_length=MAX_STOPS)
     seed: int | None = None
     presence_penalty: float = Field(default=0.0, ge=-2, le=2)
     frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
     repetition_penalty: float = Field(default=1.0, gt=0)
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = Field(default=None, max_length=MAX_BIASED)
     ignore_eos: bool = False
     user: str | None = None
 
     def stops(self) -> tuple[str, ...]:
         if self.stop is None:
             return ()
-        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        stops = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        for s in stops:
+            if len(s) > MAX_STOP_CHARS:
+                raise ApiError(
+                    400, f"stop: a stop string is over {MAX_STOP_CHARS} characters", param="stop"
+                )
+        return stops
 
     def bias(self) -> tuple[tuple[int, float], ...]:
         out = []
@@ -145,11 +159,14 @@ def parse(model: type[BaseModel], data: Any) -> Any:
     if not isinstance(data, dict):
         raise ApiError(400, "the request body must be a JSON object")
     try:
-        return model.model_validate(data)
+        body = model.model_validate(data)
     except ValidationError as exc:
         err = exc.errors()[0]
         where = ".".join(str(p) for p in err["loc"]) or "body"
         raise ApiError(400, f"{where}: {err['msg']}", param=where) from None
+    if body.model_extra:  # as vLLM: fields of other servers' dialects are ignored, and said
+        log.warning("serving: ignoring unknown fields %s", ", ".join(sorted(body.model_extra)))
+    return body
 
 
 def new_id(prefix: str) -> str:
