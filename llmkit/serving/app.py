@@ -107,6 +107,8 @@ class _Flight:
                 return
             k, event = item
             if event.error is not None:
+                if event.error_by_request:
+                    raise ApiError(400, event.error)
                 raise ApiError(500, event.error, kind="server_error")
             if event.finish_reason is not None:
                 finished += 1
@@ -557,6 +559,8 @@ def _chat_prompt(state: ServerState, body: ChatRequest) -> list[int]:
 async def _chat(state: ServerState, request: HttpRequest, data: Any, release: Any) -> Response:
     body: ChatRequest = parse(ChatRequest, data)
     _check_model(state, body.model)
+    if body.top_logprobs is not None and not body.logprobs:
+        raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     prompt = _chat_prompt(state, body)
     asked = body.max_completion_tokens or body.max_tokens
     max_tokens = _max_tokens(state, [prompt], asked)

@@ -180,8 +180,10 @@ class Engine:
 
     def step(self) -> None:
         """One iteration: take arrivals, drop cancelled requests, prefill, decode a token for
-        every running choice. An error fails the requests in flight (each gets it as an
-        event) and leaves the engine ready for new ones."""
+        every running choice. A request whose own work fails (its prompt's forward pass, a
+        temperature that overflows) gets the error as an event and leaves; a failure of the
+        batch's forward pass fails every request in flight. The engine stays ready for new
+        ones either way."""
         with self._cond:
             self._waiting.extend(_Prefill(r) for r in self._inbox)
             self._inbox.clear()
@@ -192,18 +194,16 @@ class Engine:
                 self._prefill()
                 if self._running:
                     self._decode()
-        except Exception as exc:  # the model or a tokenizer failed: fail what was in flight
+        except Exception as exc:  # the batch's forward pass failed: fail what was in flight
             log.exception("serving: an engine step failed")
-            message = (
-                str(exc) if isinstance(exc, GenerationError) else f"{type(exc).__name__}: {exc}"
-            )
-            self._fail_all(message)
+            self._fail_all(_message(exc))
 
     def _fail_all(self, message: str) -> None:
+        """A step failed where no one request is to blame (the batch's forward pass)."""
         requests = {id(s.request): s.request for s in self._running}
         requests.update({id(p.request): p.request for p in self._waiting if p.started})
         for request in requests.values():
-            _emit(request, Event(0, error=message))
+            _fail(request, message)
         self._waiting = deque(p for p in self._waiting if not p.started)
         self._running, self._cache, self._next = [], None, None
 
@@ -246,13 +246,21 @@ class Engine:
                 pf.cache = self.model.new_cache()
             prompt = pf.request.prompt
             chunk = prompt[pf.done : pf.done + budget]
-            self._feed(pf, chunk)
             budget -= len(chunk)
+            try:  # a prompt's own forward pass fails that request alone
+                self._feed(pf, chunk)
+            except Exception as exc:
+                self._waiting.remove(pf)
+                _fail(pf.request, _message(exc))
+                continue
             if pf.done == len(prompt):
                 self._waiting.remove(pf)
                 ready.append(pf)
         for pf in ready:
-            self._admit(pf)
+            try:
+                self._admit(pf)
+            except Exception as exc:
+                _fail(pf.request, _message(exc))
 
     def _feed(self, pf: _Prefill, chunk: list[int]) -> None:
         want = pf.request.params.prompt_logprobs
@@ -282,7 +290,10 @@ class Engine:
                 _emit(request, Event(i, finish_reason="length"))
             return
         seqs = [Sequence(request, i, self.tokenizer, self.device) for i in range(n)]
-        tokens = choose_tokens(pf.carry.expand(n, -1), seqs)
+        tokens, errors = choose_tokens(pf.carry.expand(n, -1), seqs)
+        if errors:
+            _fail(request, next(iter(errors.values())), by_request=_by_request(errors))
+            return
         going: list[int] = []
         for i, (s, tok) in enumerate(zip(seqs, tokens)):
             _emit(request, s.add(tok, self.limit))
@@ -305,15 +316,39 @@ class Engine:
         assert self._cache is not None and self._next is not None
         self.peak_rows = max(self.peak_rows, len(self._running))
         logits = self.model(self._next[:, None], cache=self._cache).logits[:, -1]
-        tokens = choose_tokens(logits, self._running)
+        tokens, errors = choose_tokens(logits, self._running)
+        for i, message in errors.items():  # those requests fail; the batch goes on
+            request = self._running[i].request
+            if not request.cancelled:
+                _fail(request, message, by_request=_by_request({i: message}))
         keep: list[int] = []
         for i, (s, tok) in enumerate(zip(self._running, tokens)):
+            if s.request.cancelled:
+                continue
             _emit(s.request, s.add(tok, self.limit))
             if s.reason is None:
                 keep.append(i)
         self._next = torch.tensor([t.id for t in tokens], dtype=torch.long, device=self.device)
         if len(keep) < len(self._running):
             self._keep(keep)
+
+
+def _message(exc: Exception) -> str:
+    if not isinstance(exc, GenerationError):
+        log.error("serving: a request failed", exc_info=exc)
+        return f"{type(exc).__name__}: {exc}"
+    return str(exc)
+
+
+def _by_request(errors: dict[int, str]) -> bool:
+    """Whether the errors of :func:`choose_tokens` are the request's settings' doing."""
+    return all("temperature" in m for m in errors.values())
+
+
+def _fail(request: Request, message: str, by_request: bool = False) -> None:
+    """End ``request`` with an error: its choices leave the batch at the next step."""
+    _emit(request, Event(0, error=message, error_by_request=by_request))
+    request.cancel()
 
 
 def _emit(request: Request, event: Event) -> None:

@@ -53,14 +53,16 @@ class ApiError(Exception):
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True)
+
     include_usage: bool = False
 
 
 class _Common(BaseModel):
     """Fields both endpoints take (llmkit's extensions, as vLLM's: top_k, min_p,
-    repetition_penalty, ignore_eos)."""
+    repetition_penalty, ignore_eos). Strict: ``"yes"`` is no bool, ``true`` no token id."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     model: str
     temperature: float | None = Field(default=None, ge=0)
@@ -124,12 +126,14 @@ class CompletionRequest(_Common):
 
 
 class TextPart(BaseModel):
+    model_config = ConfigDict(strict=True)
+
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
@@ -154,6 +158,17 @@ class ChatRequest(_Common):
     tools: list[Any] | None = None
 
 
+#: The names pydantic gives a union's members in an error's location.
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
+
+
+def _is_name(part: str | int) -> bool:
+    """A field name or list index in an error's location (a union member's type is not)."""
+    if isinstance(part, int):
+        return True
+    return part.replace("_", "").isalnum() and part.islower() and part not in _TYPE_TAGS
+
+
 def parse(model: type[BaseModel], data: Any) -> Any:
     """``data`` (parsed JSON) as ``model``; a 400 naming the first wrong field."""
     if not isinstance(data, dict):
@@ -162,8 +177,14 @@ def parse(model: type[BaseModel], data: Any) -> Any:
         body = model.model_validate(data)
     except ValidationError as exc:
         err = exc.errors()[0]
-        where = ".".join(str(p) for p in err["loc"]) or "body"
-        raise ApiError(400, f"{where}: {err['msg']}", param=where) from None
+        parts: list[str] = []
+        for part in err["loc"]:  # field names and list indexes, not a union member's type
+            if not _is_name(part):
+                break
+            parts.append(str(part))
+        where = ".".join(parts) or "body"
+        message = err["msg"] if len(parts) == len(err["loc"]) else "not any accepted form"
+        raise ApiError(400, f"{where}: {message}", param=where) from None
     if body.model_extra:  # as vLLM: fields of other servers' dialects are ignored, and said
         log.warning("serving: ignoring unknown fields %s", ", ".join(sorted(body.model_extra)))
     return body

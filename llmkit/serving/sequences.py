@@ -99,6 +99,8 @@ class Event:
     finish_reason: str | None = None
     prompt: list[Token] | None = None
     error: str | None = None
+    #: Whose the error is: the request's (its settings: a 400) or the server's (a 500).
+    error_by_request: bool = False
 
 
 class Request:
@@ -196,22 +198,23 @@ def _adjusted(scores: Tensor, seqs: list[Sequence]) -> Tensor:
     return scores
 
 
-def choose_tokens(logits: Tensor, seqs: list[Sequence]) -> list[Token]:
-    """The next token of each row of ``logits`` (rows, vocab), by its choice's settings.
+def choose_tokens(logits: Tensor, seqs: list[Sequence]) -> tuple[list[Token], dict[int, str]]:
+    """The next token of each row of ``logits`` (rows, vocab), by its choice's settings,
+    and the rows that have none: row → why (NaN logits: the model; probabilities that
+    overflowed: that row's temperature). Such a row fails alone; the others are chosen.
 
     Rows with equal settings are filtered together (:func:`~llmkit.inference.filter_logits`,
-    as ``llmkit generate`` filters); a seeded row draws from its own stream. A row whose
-    logits hold NaN raises :class:`~llmkit.inference.GenerationError`."""
-    from llmkit.inference.checks import GenerationError
-
+    as ``llmkit generate`` filters); a seeded row draws from its own stream."""
     scores = logits.float()
+    errors: dict[int, str] = {}
     broken = scores.isnan().any(-1)
     if bool(broken.any()):
-        row = int(broken.int().argmax())
-        raise GenerationError(
-            f"the model's logits hold NaN (request row {row + 1}): its weights or activations "
-            "are not finite"
-        )
+        for row in broken.nonzero().flatten().tolist():
+            errors[row] = (
+                "the model's logits hold NaN: its weights or activations are not finite "
+                "(a diverged run, or an overflow in 16-bit precision)"
+            )
+        scores = scores.masked_fill(broken[:, None], 0.0)
     logp = None
     if any(s.params.logprobs is not None for s in seqs):
         logp = torch.log_softmax(scores, dim=-1)
@@ -235,32 +238,48 @@ def choose_tokens(logits: Tensor, seqs: list[Sequence]) -> list[Token]:
         if key == (0.0,):
             picked = part.argmax(-1).tolist()
         else:
-            temperature, top_k, top_p, min_p = key
-            probs = filter_logits(part / temperature, top_k, top_p, min_p).softmax(-1)
-            picked = [0] * len(rows)
-            shared = [j for j, r in enumerate(rows) if seqs[r].generator is None]
-            if shared:
-                sel = probs[shared] if len(shared) < len(rows) else probs
-                picked_shared = torch.multinomial(sel, 1).squeeze(-1).tolist()
-                for j, t in zip(shared, picked_shared):
-                    picked[j] = t
-            for j, r in enumerate(rows):
-                gen = seqs[r].generator
-                if gen is not None:
-                    picked[j] = int(torch.multinomial(probs[j : j + 1], 1, generator=gen))
+            picked = _sample(part, key, [seqs[r] for r in rows], rows, errors)
         for r, t in zip(rows, picked):
             chosen[r] = int(t)
     tokens = [Token(t) for t in chosen]
     if logp is not None:
         for i, s in enumerate(seqs):
             n = s.params.logprobs
-            if n is None:
+            if n is None or i in errors:
                 continue
             tokens[i].logprob = float(logp[i, chosen[i]])
             if n:
                 values, ids = logp[i].topk(n)
                 tokens[i].top = list(zip(ids.tolist(), values.tolist()))
-    return tokens
+    return tokens, errors
+
+
+def _sample(
+    part: Tensor, key: tuple, seqs: list[Sequence], rows: list[int], errors: dict[int, str]
+) -> list[int]:
+    """Draw one token per row of ``part`` (rows of one sampling setting ``key``); a row
+    whose probabilities are not finite is recorded in ``errors`` and draws nothing real."""
+    temperature, top_k, top_p, min_p = key
+    probs = filter_logits(part / temperature, top_k, top_p, min_p).softmax(-1)
+    bad = probs.isnan().any(-1)
+    if bool(bad.any()):
+        for j in bad.nonzero().flatten().tolist():
+            errors.setdefault(
+                rows[j],
+                f"no finite sampling probabilities: the logits divided by temperature "
+                f"{temperature} overflow; use a larger temperature, or 0 for greedy decoding",
+            )
+        probs = probs.masked_fill(bad[:, None], 1.0)
+    picked = [0] * len(rows)
+    shared = [j for j, s in enumerate(seqs) if s.generator is None]
+    if shared:
+        sel = probs[shared] if len(shared) < len(rows) else probs
+        for j, t in zip(shared, torch.multinomial(sel, 1).squeeze(-1).tolist()):
+            picked[j] = t
+    for j, s in enumerate(seqs):
+        if s.generator is not None:
+            picked[j] = int(torch.multinomial(probs[j : j + 1], 1, generator=s.generator))
+    return picked
 
 
 def prompt_tokens(logits: Tensor, ids: list[int], top: int | None) -> list[Token]:
