@@ -417,7 +417,8 @@ async def _completion(
         raise ApiError(400, "suffix (insertion) is not supported", param="suffix")
     if body.best_of not in (None, body.n):
         raise ApiError(400, "best_of is not supported (use n)", param="best_of")
-    prompts, texts = _completion_prompts(state, body)
+    # tokenizing (up to the body's 4 MiB of text) runs off the event loop: other streams go on
+    prompts, texts = await asyncio.to_thread(_completion_prompts, state, body)
     max_tokens = _max_tokens(state, prompts, body.max_tokens)
     eos = _eos(state)
     params = _params(
@@ -561,7 +562,7 @@ async def _chat(state: ServerState, request: HttpRequest, data: Any, release: An
     _check_model(state, body.model)
     if body.top_logprobs is not None and not body.logprobs:
         raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-    prompt = _chat_prompt(state, body)
+    prompt = await asyncio.to_thread(_chat_prompt, state, body)  # rendering: off the loop
     asked = body.max_completion_tokens or body.max_tokens
     max_tokens = _max_tokens(state, [prompt], asked)
     stops = set(getattr(state.tokenizer, "stop_ids", None) or ())
